@@ -1,0 +1,1 @@
+"""Knowledge-graph tool use: a triple store behind paper B's four verbs, data, loaders."""

@@ -1,0 +1,45 @@
+"""The contract every KG backend meets: paper B's four verbs plus names.
+
+Backends (in-memory index, embedded SPARQL, remote SPARQL) answer these identically on the
+same graph. Every method returns a sorted list of strings (ids for entities, relation names
+for relations) and an empty list for any failed query: unknown entity, unknown relation, no
+match. Arguments come from model output and are untrusted; a backend validates them and never
+raises on a bad one.
+
+Names are literal triples `(entity, type.object.name, "Name")`, kept apart from the graph: the
+four verbs never return `type.object.name` or a literal.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class KGStore(Protocol):
+    def tail_relations(self, entity: str) -> list[str]:
+        """Relations r with a triple (entity, r, ?)."""
+        ...
+
+    def head_relations(self, entity: str) -> list[str]:
+        """Relations r with a triple (?, r, entity)."""
+        ...
+
+    def tail_entities(self, entity: str, relation: str) -> list[str]:
+        """Entities t with a triple (entity, relation, t)."""
+        ...
+
+    def head_entities(self, entity: str, relation: str) -> list[str]:
+        """Entities h with a triple (h, relation, entity)."""
+        ...
+
+    def has_entity(self, entity: str) -> bool:
+        """True if the entity appears in any triple."""
+        ...
+
+    def name(self, entity: str) -> str | None:
+        """The entity's name (Freebase `type.object.name`), None if it has none."""
+        ...
+
+    def has_relation(self, relation: str) -> bool:
+        """True if any triple uses this relation."""
+        ...

@@ -1,0 +1,247 @@
+"""The few concepts Keel is built from: Task, ToolCall, Observation, Step, Trajectory, Env.
+
+Every other module speaks in these types. A Trajectory is token-in/token-out: `token_ids`
+are exactly the ids the policy sampled (plus the prompt and tool text spliced in between),
+and every loss mask is derived from `sources`, never rebuilt ad hoc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Protocol
+
+
+class Source(IntEnum):
+    """Where a token of a trajectory came from. Loss masks are derived from this alone."""
+
+    PROMPT = 0  # system + user text and the chat-template scaffolding around it
+    POLICY = 1  # sampled by the policy (includes the <|im_end|> that closes its turn)
+    TOOL = 2  # tool responses and the template tokens that wrap them
+    HINT = 3  # guidance shown only while sampling; never part of a trained sequence
+    EXPERT = 4  # gold actions written into a trajectory (off-policy supervision)
+    REFLECTION = 5  # analyzer-written reflection text (process reflection supervision)
+
+
+@dataclass
+class Task:
+    """One question (or conversation) with its gold answer and, where known, gold trajectory.
+
+    `answers[0]` is the primary gold answer (F1 is computed against it); EM accepts any of
+    `answers` or `aliases`. `gold_turns` is the gold trajectory: one list of calls per
+    assistant turn, each call `{"name": verb, "arguments": {...}}`; the final answer turn is
+    not included (it is `answers[0]`). `gold_triples` are the (head, relation, tail) ids of
+    the gold path, used by process rewards and the error decomposition.
+    """
+
+    id: str
+    question: str
+    answers: list[str]
+    aliases: list[str] = field(default_factory=list)
+    answer_ids: list[str] = field(default_factory=list)
+    topic_entities: dict[str, str] = field(default_factory=dict)  # id -> name
+    gold_turns: list[list[dict[str, Any]]] = field(default_factory=list)
+    gold_triples: list[tuple[str, str, str]] = field(default_factory=list)
+    kind: str = ""  # composition / conjunction / comparative / superlative / 2-hop ...
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "question": self.question,
+            "answers": list(self.answers),
+            "aliases": list(self.aliases),
+            "answer_ids": list(self.answer_ids),
+            "topic_entities": dict(self.topic_entities),
+            "gold_turns": self.gold_turns,
+            "gold_triples": [list(t) for t in self.gold_triples],
+            "kind": self.kind,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Task":
+        return cls(
+            id=str(d["id"]),
+            question=d["question"],
+            answers=list(d["answers"]),
+            aliases=list(d.get("aliases", [])),
+            answer_ids=list(d.get("answer_ids", [])),
+            topic_entities=dict(d.get("topic_entities", {})),
+            gold_turns=d.get("gold_turns", []),
+            gold_triples=[tuple(t) for t in d.get("gold_triples", [])],
+            kind=d.get("kind", ""),
+            meta=d.get("meta", {}),
+        )
+
+
+@dataclass
+class ToolCall:
+    """A tool call as parsed from model text. `error` is set when the text was not a valid call;
+    such a call is still executed (the env turns the error into the tool's answer)."""
+
+    name: str
+    arguments: dict[str, Any]
+    raw: str = ""
+    error: str | None = None
+
+    def signature(self) -> str:
+        """Canonical string of name + arguments (sorted keys): equal calls have equal signatures."""
+        import json
+
+        return self.name + json.dumps(self.arguments, sort_keys=True, ensure_ascii=False)
+
+
+@dataclass
+class Observation:
+    """What a tool returned. `text` is what the model sees. `ok` is False for a malformed call
+    or a failed query; `error` is the machine-readable reason (`bad_json`, `unknown_tool`,
+    `bad_arguments`, `unknown_entity`, `no_result`, ...) whether or not the text shows it."""
+
+    text: str
+    ok: bool = True
+    error: str | None = None
+    items: list[str] | None = None  # structured result (e.g. the returned ids), when there is one
+
+
+@dataclass
+class Step:
+    """One tool call with its observation, in assistant turn `turn` (0-based)."""
+
+    turn: int
+    call: ToolCall
+    observation: Observation
+
+
+@dataclass
+class Trajectory:
+    """One whole multi-turn episode, token-in/token-out.
+
+    token_ids[i], sources[i], logprobs[i] describe token i. `logprobs` holds the sampling
+    log-prob (temperature-scaled distribution) for POLICY tokens and 0.0 elsewhere.
+    `turn_spans` are the [start, end) token ranges of each assistant turn (policy tokens).
+    Worked example (ids abbreviated):
+        token_ids: [p p p | a a a E | t t t t | a a E]
+        sources:   [0 0 0 | 1 1 1 1 | 2 2 2 2 | 1 1 1]
+        turn_spans: [(3, 7), (11, 14)]
+    """
+
+    task_id: str
+    token_ids: list[int]
+    sources: list[int]
+    logprobs: list[float]
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    turn_texts: list[str] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
+    answer: str | None = None  # the final answer text, None when the episode never answered
+    finished: bool = False  # the policy ended the episode itself (an answer turn)
+    truncated: bool = False  # hit the turn or token limit
+    group: int = -1  # index of the GRPO group this trajectory belongs to
+    reward: float = 0.0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.turn_spans[0][0] if self.turn_spans else len(self.token_ids)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(1 for s in self.sources if s == Source.POLICY)
+
+    @property
+    def text(self) -> str:
+        """All assistant text, turns joined by newlines (for rewards that read the whole output)."""
+        return "\n".join(self.turn_texts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "token_ids": self.token_ids,
+            "sources": self.sources,
+            "logprobs": [round(x, 6) for x in self.logprobs],
+            "turn_spans": [list(s) for s in self.turn_spans],
+            "turn_texts": self.turn_texts,
+            "steps": [
+                {
+                    "turn": s.turn,
+                    "call": {"name": s.call.name, "arguments": s.call.arguments, "raw": s.call.raw, "error": s.call.error},
+                    "observation": {
+                        "text": s.observation.text,
+                        "ok": s.observation.ok,
+                        "error": s.observation.error,
+                        "items": s.observation.items,
+                    },
+                }
+                for s in self.steps
+            ],
+            "answer": self.answer,
+            "finished": self.finished,
+            "truncated": self.truncated,
+            "group": self.group,
+            "reward": self.reward,
+            "reward_components": self.reward_components,
+            "info": self.info,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Trajectory":
+        steps = [
+            Step(
+                turn=s["turn"],
+                call=ToolCall(**s["call"]),
+                observation=Observation(**s["observation"]),
+            )
+            for s in d.get("steps", [])
+        ]
+        return cls(
+            task_id=d["task_id"],
+            token_ids=list(d["token_ids"]),
+            sources=list(d["sources"]),
+            logprobs=list(d["logprobs"]),
+            turn_spans=[tuple(s) for s in d.get("turn_spans", [])],
+            turn_texts=list(d.get("turn_texts", [])),
+            steps=steps,
+            answer=d.get("answer"),
+            finished=d.get("finished", False),
+            truncated=d.get("truncated", False),
+            group=d.get("group", -1),
+            reward=d.get("reward", 0.0),
+            reward_components=d.get("reward_components", {}),
+            info=d.get("info", {}),
+        )
+
+
+class Episode(Protocol):
+    """The environment's side of one episode. Created by `Env.start(task)`.
+
+    The rollout engine calls `execute` for each parsed call of an assistant turn, and
+    `next_user_message` when an assistant turn has no call (None ends the episode).
+    `close` releases any per-episode state (simulators, caches).
+    """
+
+    def execute(self, call: ToolCall) -> Observation: ...
+
+    def next_user_message(self) -> str | None: ...
+
+    def close(self) -> None: ...
+
+
+class Env(Protocol):
+    """A tool environment: its tool schemas, how a task is presented, and episodes."""
+
+    name: str
+
+    def tools(self, task: Task) -> list[dict[str, Any]]:
+        """JSON schemas of the tools offered for this task (OpenAI function format)."""
+        ...
+
+    def system_prompt(self, task: Task) -> str:
+        """Instructions shown before the tools list (format rules, answer tags)."""
+        ...
+
+    def user_message(self, task: Task) -> str:
+        """The first user message of the episode."""
+        ...
+
+    def start(self, task: Task) -> Episode: ...
