@@ -1,0 +1,255 @@
+"""The `keel` command: train, eval, data, diagnose, report, compare.
+
+Every user error (bad config key, missing file, existing run directory) ends with one line
+`keel: error: ...` and exit status 2; nothing half-written is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+EPILOG_TRAIN = """examples:
+  keel train configs/main.yaml                       # SmolLM2-135M, synthetic KG: SFT warm-start, then GRPO
+  keel train configs/main.yaml --smoke               # same config on the tiny model, a few seconds
+  keel train configs/main.yaml --set grpo.steps=20 --set grpo.kl_coef=0.001 --out runs/kl-1e-3
+  keel train --help-config                           # every config key, its default and meaning
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="keel", description="Keel: GRPO for multi-step tool use, with the supervision that prevents collapse and the diagnostics that catch it.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train a policy (SFT warm-start + GRPO) from a config preset", epilog=EPILOG_TRAIN, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Run a training job into a new run directory (config.yaml, metrics.jsonl, samples/, eval/, checkpoints/, summary.json).")
+    t.add_argument("config", nargs="?", help="YAML preset (a path, or a name under configs/ such as 'main' or 'smoke')")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one config key (type-checked), e.g. --set grpo.lr=1e-6; repeatable")
+    t.add_argument("--out", help="run directory to create (must not exist or be empty); default: <run.out>/<preset>-<n>")
+    t.add_argument("--smoke", action="store_true", help="shrink the preset to the tiny model and a minimal budget, to check it runs in seconds")
+    t.add_argument("--help-config", action="store_true", help="print every config key with its default and documentation")
+
+    e = sub.add_parser("eval", help="evaluate a policy (model dir, 'smollm2', 'oracle', 'null') on KG, BFCL or ACEBench tasks",
+                       description="Evaluate a policy and write DIR/summary.json (eval/em, eval/f1, eval/tools_per_question, n, ...) and DIR/results.jsonl (one line per question).")
+    e.add_argument("--env", default="kg", choices=["kg", "bfcl", "acebench"], help="task family")
+    e.add_argument("--data", help="questions file (kg: Keel JSONL, CWQ, PathQuestion, MetaQA) or data directory (acebench; kg: a `keel data kg-synth` dir)")
+    e.add_argument("--kb", help="kg: triples file (TSV or |-separated); not needed when --data is a dataset directory")
+    e.add_argument("--format", default="auto", help="kg question format: auto | keel | cwq | pathquestion | metaqa")
+    e.add_argument("--split", default="dev", help="kg dataset directory: which split to evaluate (train | dev | test)")
+    e.add_argument("--policy", required=True, help="oracle | null | smollm2 | tiny | a local model directory")
+    e.add_argument("--categories", default="", help="bfcl/acebench: comma-separated categories (default: all multi-turn / all)")
+    e.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions (0: all)")
+    e.add_argument("--max-turns", type=int, default=5, help="assistant turns per episode")
+    e.add_argument("--max-new-tokens", type=int, default=128, help="model policies: tokens per turn")
+    e.add_argument("--batch-size", type=int, default=16, help="model policies: episodes per batched rollout")
+    e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+
+    d = sub.add_parser("data", help="generate or check datasets", description="Dataset tools.")
+    dsub = d.add_subparsers(dest="data_command", metavar="ACTION")
+    g = dsub.add_parser("kg-synth", help="write a seeded Freebase-like KG with CWQ-like questions (kb.tsv, train/dev/test.jsonl, meta.json)")
+    g.add_argument("--out", required=True, help="directory to create")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--train", type=int, default=1000)
+    g.add_argument("--dev", type=int, default=100)
+    g.add_argument("--test", type=int, default=200)
+    c = dsub.add_parser("check", help="load a KG and questions, print counts and the oracle's EM on them")
+    c.add_argument("--data", required=True, help="questions file or dataset directory")
+    c.add_argument("--kb", help="triples file (not needed for a dataset directory)")
+    c.add_argument("--format", default="auto")
+    c.add_argument("--limit", type=int, default=0)
+
+    dg = sub.add_parser("diagnose", help="name a run's failure mode (or healthy) with evidence; writes RUN_DIR/diagnosis.json")
+    dg.add_argument("run_dir")
+    r = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained plots and trajectory viewer)")
+    r.add_argument("run_dir")
+    cp = sub.add_parser("compare", help="compare runs: eval metrics with Wilson 95%% intervals and McNemar tests")
+    cp.add_argument("run_dirs", nargs="+")
+    cp.add_argument("--out", help="write the comparison page here (HTML)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if not args.command:
+        _parser().print_help()
+        return 0
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print("keel: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError, KeyError, RuntimeError, OSError) as e:
+        from keel.config import ConfigError
+        from keel.rundir import RunDirError
+        from keel.tasks import DataError
+
+        known = (ConfigError, RunDirError, DataError, FileNotFoundError, FileExistsError, PermissionError)
+        if isinstance(e, known) or type(e) is ValueError:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            print(f"keel: error: {msg}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _train(args) -> int:
+    from keel.config import describe, load_config
+    from keel.rundir import create_run_dir, default_run_dir
+
+    if args.help_config:
+        print(describe())
+        return 0
+    if not args.config:
+        raise ValueError("train: give a config preset, e.g. `keel train configs/main.yaml` (see --help)")
+    cfg = load_config(args.config, args.overrides, smoke=args.smoke)
+    name = Path(args.config).stem + ("-smoke" if args.smoke else "")
+    out = Path(args.out) if args.out else default_run_dir(cfg.run.out, name)
+    create_run_dir(out)  # refuse an existing run before loading anything
+    from keel.train import train
+
+    try:
+        summary = train(cfg, out)
+    except BaseException:
+        _remove_if_fresh(out)
+        raise
+    print(json.dumps({k: summary[k] for k in ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s") if k in summary}, indent=2))
+    print(f"[keel] run directory: {out}")
+    return 0
+
+
+def _remove_if_fresh(out: Path) -> None:
+    """A run that failed before writing any metrics leaves no directory behind."""
+    if out.exists() and not (out / "metrics.jsonl").exists():
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _kg_tasks(args):
+    from keel.kg.loaders import load_store, load_tasks
+    from keel.tasks import DataError
+
+    if not args.data:
+        raise DataError("eval: --data is required")
+    data = Path(args.data)
+    if not data.exists():
+        raise DataError(f"eval: --data not found: {data}")
+    if data.is_dir():
+        kb = data / "kb.tsv"
+        split = data / f"{getattr(args, 'split', 'dev')}.jsonl"
+        if not kb.exists() or not split.exists():
+            raise DataError(f"eval: dataset directory {data} needs kb.tsv and {split.name}")
+        store, tasks = load_store(kb), load_tasks(split, "keel")
+    else:
+        if not args.kb:
+            raise DataError("eval: --kb TRIPLES is required when --data is a questions file")
+        if not Path(args.kb).exists():
+            raise DataError(f"eval: --kb not found: {args.kb}")
+        store, tasks = load_store(Path(args.kb)), load_tasks(data, args.format)
+    if args.limit:
+        tasks = tasks[: args.limit]
+    return store, tasks
+
+
+def _eval(args) -> int:
+    from keel.rundir import atomic_write_json, create_run_dir, write_jsonl
+
+    out = Path(args.out)
+    if args.env != "kg":
+        from keel.fc.evaluate import run_eval_command
+
+        create_run_dir(out)
+        try:
+            summary = run_eval_command(args)
+        except BaseException:
+            _remove_if_fresh_eval(out)
+            raise
+        print(json.dumps(summary, indent=2))
+        return 0
+    from keel.evaluate import evaluate_model, evaluate_text_policy
+    from keel.kg.env import KGEnv
+    from keel.kg.oracle import null_policy, oracle_policy
+
+    store, tasks = _kg_tasks(args)
+    create_run_dir(out)
+    env = KGEnv(store)
+    if args.policy in ("oracle", "null"):
+        policy = oracle_policy if args.policy == "oracle" else null_policy
+        means, rows = evaluate_text_policy(env, tasks, policy, args.max_turns)
+    else:
+        from keel.models import load_model
+        from keel.rollout import SamplingParams
+
+        model, tok = load_model(args.policy)
+        params = SamplingParams(greedy=True, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_total_tokens=4096)
+        means, rows, _ = evaluate_model(model, tok, env, tasks, params, args.batch_size)
+    summary = {**means, "n": len(rows), "policy": args.policy, "data": str(args.data)}
+    write_jsonl(out / "results.jsonl", rows)
+    atomic_write_json(out / "summary.json", summary)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _remove_if_fresh_eval(out: Path) -> None:
+    if out.exists() and not (out / "summary.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def _data(args) -> int:
+    if args.data_command == "kg-synth":
+        from keel.kg.synth import generate
+
+        meta = generate(args.out, seed=args.seed, train=args.train, dev=args.dev, test=args.test)
+        print(json.dumps(meta, indent=2))
+        return 0
+    if args.data_command == "check":
+        from keel.evaluate import evaluate_text_policy
+        from keel.kg.env import KGEnv
+        from keel.kg.oracle import oracle_policy
+
+        store, tasks = _kg_tasks(args)
+        means, _ = evaluate_text_policy(KGEnv(store), tasks, oracle_policy, 8)
+        print(json.dumps({"triples": getattr(store, "num_triples", None), "questions": len(tasks), "oracle": means}, indent=2))
+        return 0
+    raise ValueError("data: choose an action: kg-synth | check (see `keel data --help`)")
+
+
+def _diagnose(args) -> int:
+    from keel.diagnostics.classify import diagnose, format_diagnosis
+
+    run = Path(args.run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"diagnose: run directory not found: {run}")
+    print(format_diagnosis(diagnose(run)))
+    return 0
+
+
+def _report(args) -> int:
+    from keel.report import write_report
+
+    run = Path(args.run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"report: run directory not found: {run}")
+    print(write_report(run))
+    return 0
+
+
+def _compare(args) -> int:
+    from keel.compare import compare_runs
+
+    for r in args.run_dirs:
+        if not Path(r).is_dir():
+            raise FileNotFoundError(f"compare: run directory not found: {r}")
+    result = compare_runs([Path(r) for r in args.run_dirs], out=Path(args.out) if args.out else None)
+    if isinstance(result, str):
+        print(result)
+    else:
+        print(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+COMMANDS = {"train": _train, "eval": _eval, "data": _data, "diagnose": _diagnose, "report": _report, "compare": _compare}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

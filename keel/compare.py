@@ -1,0 +1,368 @@
+"""Several runs side by side: overlaid curves on one page and a table of their eval metrics
+with Wilson 95% intervals and McNemar tests between runs scored on the same questions.
+
+Paper B reports EM / CvT with Wilson intervals and compares checkpoints with McNemar tests on
+the same test questions; this module does that from the per-question `eval/step_*.jsonl`
+files of each run. Departures: McNemar is exact (binomial) when the discordant count is below
+25 and chi-square with continuity correction otherwise, and the table says which; p-values are
+also given Holm-adjusted over all tests of one comparison, since a sweep makes many pairs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from fractions import Fraction
+from itertools import combinations
+from pathlib import Path
+from typing import Any, Iterable
+
+from keel import metrics as M
+from keel.report import PALETTE, Line, esc, fmt, line_chart, load_run, page, read_jsonl, step_files, write_atomic
+
+Z95 = 1.959963984540054  # two-sided 95% normal quantile
+EXACT_BELOW = 25  # discordant pairs below this: exact binomial McNemar (chi-square is poor there)
+BINARY_FIELDS = ("em", "cvt", "format_valid")  # 0/1 per question: Wilson intervals, McNemar
+MEAN_FIELDS = ("f1", "tools")  # continuous per question: mean ± 1.96 standard errors
+PAIRED_FIELDS = ("em", "cvt")
+OVERLAY = (
+    (M.EVAL_EM, "dev EM"),
+    (M.EVAL_CVT, "dev CvT"),
+    (M.EVAL_F1, "dev F1"),
+    (M.EVAL_TOOLS_PER_QUESTION, "dev tools per question"),
+    (M.REWARD_MEAN, "reward/mean"),
+    (M.KL_MEAN, "kl/mean"),
+    (M.COLLAPSE_HEALTHY_CALL, "share of healthy tool calls"),
+    (M.TOKENS_ENTROPY, "policy entropy"),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics
+# ----------------------------------------------------------------------------------------------
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion.
+
+    centre = (p + z²/2n) / (1 + z²/n);  half = z/(1 + z²/n) · sqrt(p(1-p)/n + z²/4n²).
+    Unlike p ± z·sqrt(p(1-p)/n) it never leaves [0, 1] and is not zero-width at p = 0 or 1.
+    """
+    if n <= 0:
+        raise ValueError(f"wilson_interval: n must be positive, got {n}")
+    if not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: successes must be in [0, n={n}], got {successes}")
+    p = successes / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z / denominator * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mean_interval(values: list[float], z: float = Z95) -> tuple[float, float, float]:
+    """(mean, low, high) with the normal approximation mean ± z·s/√n (s: sample std, n-1)."""
+    if not values:
+        raise ValueError("mean_interval: no values")
+    n = len(values)
+    mean = sum(values) / n
+    if n == 1:
+        return mean, mean, mean
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = z * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+@dataclass
+class McNemar:
+    """b: questions only run A got right; c: only run B. method: 'exact' or 'chi2_cc'."""
+
+    b: int
+    c: int
+    method: str
+    statistic: float  # chi-square value, or for 'exact' the smaller discordant count
+    p_value: float
+
+
+def mcnemar(b: int, c: int, exact_below: int = EXACT_BELOW) -> McNemar:
+    """McNemar test of paired binary outcomes from the two discordant counts.
+
+    Exact: under H0 each discordant pair is A-only with probability 1/2, so
+    p = min(1, 2·P[X ≤ min(b, c)]) with X ~ Binomial(b + c, 1/2).
+    Chi-square with continuity correction: χ² = (|b − c| − 1)² / (b + c), 1 degree of freedom,
+    p = erfc(sqrt(χ²/2)); |b − c| − 1 is floored at 0 so b = c gives p = 1.
+    """
+    if b < 0 or c < 0:
+        raise ValueError(f"mcnemar: discordant counts must be non-negative, got b={b}, c={c}")
+    n = b + c
+    if n == 0:
+        return McNemar(b, c, "exact", 0.0, 1.0)
+    if n < exact_below:
+        k = min(b, c)
+        tail = Fraction(sum(math.comb(n, i) for i in range(k + 1)), 2**n)
+        return McNemar(b, c, "exact", float(k), float(min(Fraction(1), 2 * tail)))
+    chi2 = max(0, abs(b - c) - 1) ** 2 / n
+    return McNemar(b, c, "chi2_cc", chi2, math.erfc(math.sqrt(chi2 / 2)))
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm step-down adjusted p-values, in the input order.
+
+    Worked example: [0.01, 0.04, 0.03] → sorted 0.01, 0.03, 0.04 × (3, 2, 1) = 0.03, 0.06, 0.04
+    → running max 0.03, 0.06, 0.06 → in input order [0.03, 0.06, 0.06].
+    """
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-question eval files
+# ----------------------------------------------------------------------------------------------
+
+
+def _binary(value: Any, where: str, name: str) -> int:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return int(value)
+    raise ValueError(f"{where}: {name} must be 0 or 1 (or true/false) per question, got {value!r}")
+
+
+def read_eval(path: Path) -> dict[str, dict[str, float]]:
+    """{task_id: {field: value}} of one per-question eval file, strictly checked.
+
+    Only a torn last line is tolerated (a crash mid-write); any other bad line, a missing or
+    repeated task_id, or a non-0/1 binary field raises ValueError naming file and line, since
+    a silently dropped question would change n and every interval.
+    """
+    rows, problems = read_jsonl(path)
+    bad = [p for p in problems if "torn last line" not in p]
+    if bad:
+        raise ValueError(f"{path}: {bad[0]}")
+    out: dict[str, dict[str, float]] = {}
+    for number, row in enumerate(rows, start=1):
+        where = f"{path}: row {number}"
+        task_id = row.get("task_id")
+        if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
+            raise ValueError(f"{where}: missing task_id")
+        task_id = str(task_id)
+        if task_id in out:
+            raise ValueError(f"{where}: task_id {task_id!r} appears twice")
+        record: dict[str, float] = {}
+        for name in BINARY_FIELDS:
+            if name in row and row[name] is not None:
+                record[name] = float(_binary(row[name], where, name))
+        for name in MEAN_FIELDS:
+            value = row.get(name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
+            record[name] = float(value)
+        out[task_id] = record
+    if not out:
+        raise ValueError(f"{path}: no questions")
+    return out
+
+
+def choose_eval(run_dir: Path, at: str | int = "final") -> tuple[int, Path]:
+    """The eval file to compare: the last one ('final'), the one with the highest EM ('peak',
+    earliest on ties), or a given step."""
+    files = step_files(run_dir / "eval")
+    if not files:
+        raise ValueError(f"{run_dir}: no per-question eval files (eval/step_*.jsonl)")
+    if at == "final":
+        step = max(files)
+    elif at == "peak":
+        def em_of(step: int) -> float:
+            rows = read_eval(files[step])
+            values = [r["em"] for r in rows.values() if "em" in r]
+            return sum(values) / len(values) if values else -1.0
+
+        step = max(sorted(files), key=em_of)
+    elif isinstance(at, int) and not isinstance(at, bool):
+        if at not in files:
+            raise ValueError(f"{run_dir}: no eval file for step {at} (have {sorted(files)})")
+        step = at
+    else:
+        raise ValueError(f"at must be 'final', 'peak' or a step number, got {at!r}")
+    return step, files[step]
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparison
+# ----------------------------------------------------------------------------------------------
+
+
+def summarise(questions: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per field: mean, low, high, n (and successes for binary fields)."""
+    out: dict[str, dict[str, float]] = {}
+    for name in BINARY_FIELDS:
+        values = [q[name] for q in questions.values() if name in q]
+        if values:
+            k, n = int(sum(values)), len(values)
+            low, high = wilson_interval(k, n)
+            out[name] = {"mean": k / n, "low": low, "high": high, "n": n, "successes": k, "interval": "wilson"}
+    for name in MEAN_FIELDS:
+        values = [q[name] for q in questions.values() if name in q]
+        if values:
+            mean, low, high = mean_interval(values)
+            out[name] = {"mean": mean, "low": low, "high": high, "n": len(values), "interval": "normal"}
+    return out
+
+
+def _names(run_dirs: list[Path], names: list[str] | None) -> list[str]:
+    if names is not None:
+        if len(names) != len(run_dirs):
+            raise ValueError(f"names: {len(names)} names for {len(run_dirs)} runs")
+        return list(names)
+    base = [d.resolve().name for d in run_dirs]
+    # Seeds of one sweep often share a folder name under different parents: add the parent.
+    return [b if base.count(b) == 1 else f"{d.resolve().parent.name}/{b}" for b, d in zip(base, run_dirs)]
+
+
+def compare_runs(
+    run_dirs: Iterable[str | os.PathLike],
+    out: str | os.PathLike | None = None,
+    *,
+    at: str | int = "final",
+    names: list[str] | None = None,
+    references: dict[str, dict[str, float]] | None = None,
+    exact_below: int = EXACT_BELOW,
+) -> dict[str, Any]:
+    """Compare runs on their per-question eval results and, if `out` is given, write an HTML
+    page overlaying their curves.
+
+    at: which eval of each run ('final', 'peak' by EM, or a step number).
+    references: rows of reported numbers to print alongside (e.g. a paper's table),
+        {"paper B R-selfV": {"em": 0.395, "cvt": 0.0957}}; shown without intervals.
+    Returns {"runs": [...], "tests": [...], "references": {...}, "table": str, "html": path|None}.
+    Each test: {"a", "b", "field", "n_common", "b_only", "c_only", "method", "statistic",
+    "p_value", "p_holm"} where b_only counts questions only run a got right.
+    """
+    dirs = [Path(d) for d in run_dirs]
+    if not dirs:
+        raise ValueError("compare_runs: no run directories given")
+    for d in dirs:
+        if not d.is_dir():
+            raise FileNotFoundError(f"run directory {d} does not exist or is not a directory")
+    labels = _names(dirs, names)
+    runs: list[dict[str, Any]] = []
+    questions: list[dict[str, dict[str, float]]] = []
+    for label, d in zip(labels, dirs):
+        step, path = choose_eval(d, at)
+        q = read_eval(path)
+        questions.append(q)
+        runs.append({"name": label, "dir": str(d), "step": step, "file": str(path), "n": len(q), "metrics": summarise(q)})
+    tests: list[dict[str, Any]] = []
+    for (i, a), (j, b) in combinations(enumerate(runs), 2):
+        common = sorted(set(questions[i]) & set(questions[j]))
+        for name in PAIRED_FIELDS:
+            shared = [t for t in common if name in questions[i][t] and name in questions[j][t]]
+            if not shared:
+                continue
+            only_a = sum(1 for t in shared if questions[i][t][name] == 1 and questions[j][t][name] == 0)
+            only_b = sum(1 for t in shared if questions[i][t][name] == 0 and questions[j][t][name] == 1)
+            result = mcnemar(only_a, only_b, exact_below)
+            tests.append({
+                "a": a["name"], "b": b["name"], "field": name, "n_common": len(shared),
+                "n_a": len(questions[i]), "n_b": len(questions[j]),
+                "b_only": only_a, "c_only": only_b, "method": result.method,
+                "statistic": result.statistic, "p_value": result.p_value,
+            })
+    for test, adjusted in zip(tests, holm([t["p_value"] for t in tests])):
+        test["p_holm"] = adjusted
+    result: dict[str, Any] = {"runs": runs, "tests": tests, "references": dict(references or {}), "at": at, "html": None}
+    result["table"] = format_table(result)
+    if out is not None:
+        result["html"] = str(write_atomic(Path(out), render_comparison(result, dirs)))
+    return result
+
+
+def _cell(m: dict[str, float] | None, percent: bool) -> str:
+    if not m:
+        return "–"
+    if percent:
+        return f"{100 * m['mean']:.1f} [{100 * m['low']:.1f}, {100 * m['high']:.1f}]"
+    return f"{m['mean']:.3f} ± {(m['high'] - m['low']) / 2:.3f}"
+
+
+def metric_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the metric table (percent for binary fields, as the papers print)."""
+    header = ["run", "step", "n", "EM % [95% CI]", "CvT % [95% CI]", "format valid % [95% CI]", "F1 ± 1.96 SE", "tools/question ± 1.96 SE"]
+    rows = []
+    for r in result["runs"]:
+        m = r["metrics"]
+        rows.append([r["name"], str(r["step"]), str(r["n"]), _cell(m.get("em"), True), _cell(m.get("cvt"), True), _cell(m.get("format_valid"), True), _cell(m.get("f1"), False), _cell(m.get("tools"), False)])
+    for name, values in result.get("references", {}).items():
+        def ref(key: str, percent: bool) -> str:
+            v = values.get(key)
+            return "–" if v is None else (f"{100 * v:.1f}" if percent else f"{v:.3f}")
+
+        rows.append([f"{name} (reported)", "–", str(values.get("n", "–")), ref("em", True), ref("cvt", True), ref("format_valid", True), ref("f1", False), ref("tools", False)])
+    return header, rows
+
+
+def mcnemar_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = ["run A", "run B", "metric", "n shared", "only A right", "only B right", "test", "statistic", "p", "p (Holm)"]
+    rows = []
+    for t in result["tests"]:
+        test = "exact binomial" if t["method"] == "exact" else "chi-square, continuity-corrected"
+        rows.append([t["a"], t["b"], t["field"], str(t["n_common"]), str(t["b_only"]), str(t["c_only"]), test, f"{t['statistic']:.3f}", f"{t['p_value']:.4g}", f"{t['p_holm']:.4g}"])
+    return header, rows
+
+
+def _text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(x) for x in column) for column in zip(header, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The printed comparison: metric table, then McNemar tests (with the method of each)."""
+    at = result.get("at", "final")
+    parts = [f"Eval metrics at the {at if isinstance(at, str) else f'step {at}'} eval of each run (Wilson 95% intervals for shares):", _text_table(*metric_rows(result))]
+    if result["tests"]:
+        parts += ["", f"McNemar tests on shared questions (exact binomial when fewer than {EXACT_BELOW} discordant pairs, else chi-square with continuity correction):", _text_table(*mcnemar_rows(result))]
+        unequal = {(t["a"], t["b"]) for t in result["tests"] if not (t["n_common"] == t["n_a"] == t["n_b"])}
+        if unequal:
+            parts.append("note: " + "; ".join(f"{a} vs {b} share only part of their questions" for a, b in sorted(unequal)))
+    elif len(result["runs"]) > 1:
+        parts += ["", "No McNemar tests: the runs share no evaluated questions."]
+    return "\n".join(parts)
+
+
+def _html_table(header: list[str], rows: list[list[str]]) -> str:
+    return "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>" + "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
+
+
+def render_comparison(result: dict[str, Any], dirs: list[Path]) -> str:
+    """HTML page: overlaid curves of every run, the metric table and the tests."""
+    loaded = [load_run(d) for d in dirs]
+    colours = {r["name"]: PALETTE[i % len(PALETTE)] for i, r in enumerate(result["runs"])}
+    charts = []
+    for key, title in OVERLAY:
+        lines = [Line(r["name"], run.series.get(key, []), colours[r["name"]], dots=key.startswith("eval/")) for r, run in zip(result["runs"], loaded)]
+        charts.append(line_chart(title, lines, y_range=(0.0, None), width=440))
+    body = [
+        f"<h1>Keel comparison of {len(loaded)} runs</h1>",
+        f'<p class="note">{esc(", ".join(str(d.resolve()) for d in dirs))}</p>',
+        "<h2>Eval metrics (Wilson 95% intervals for shares)</h2>",
+        _html_table(*metric_rows(result)),
+    ]
+    if result["tests"]:
+        body += [f"<h2>McNemar tests on shared questions</h2><p class=\"note\">Exact binomial when fewer than {EXACT_BELOW} discordant pairs, else chi-square with continuity correction; Holm-adjusted over all tests on this page.</p>", _html_table(*mcnemar_rows(result))]
+    body += ["<h2>Curves</h2>", f'<div class="row">{"".join(charts)}</div>']
+    problems = [f"{run.name}: {p}" for run in loaded for p in run.problems]
+    if problems:
+        body.append("<h2>Data problems</h2><ul>" + "".join(f"<li>{esc(p)}</li>" for p in problems[:50]) + "</ul>")
+    return page("Keel comparison", "".join(body))

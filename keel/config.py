@@ -1,0 +1,308 @@
+"""One typed config tree. Every field is documented once, here (`keel train --help-config` prints it).
+
+Presets in configs/ are small YAML diffs from these defaults. Overrides `--set a.b=value` are
+parsed as YAML scalars and type-checked against the field; an unknown key or a wrong type is a
+one-line error naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config: unknown key, wrong type, unreadable preset. The message is one line."""
+
+
+def doc(default, help: str):
+    """A field with its one-line documentation."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    name: str = doc("smollm2", "'smollm2' (embedded SmolLM2-135M-Instruct), 'tiny' (random, for tests) or a local HF model directory")
+    dtype: str = doc("float32", "weights dtype for training and rollouts: float32 | bfloat16")
+    device: str = doc("cpu", "cpu | cuda | auto")
+
+
+@dataclass
+class DataConfig:
+    source: str = doc("synthetic", "synthetic (generated KG, written into the run dir) | files (kb + question files below) | dir")
+    seed: int = doc(0, "seed of the synthetic KG and questions")
+    n_train: int = doc(1000, "synthetic: training questions")
+    n_dev: int = doc(100, "synthetic: dev questions")
+    n_test: int = doc(200, "synthetic: test questions")
+    dir: str = doc("", "source=dir: a dataset directory with kb.tsv and train/dev/test.jsonl (from `keel data kg-synth`)")
+    kb: str = doc("", "source=files: triples file (TSV head\\trelation\\ttail or |-separated, .gz ok)")
+    train: str = doc("", "source=files: training questions (Keel JSONL, CWQ, PathQuestion, MetaQA)")
+    dev: str = doc("", "source=files: dev questions; empty = 10% of train, held out")
+    format: str = doc("auto", "question file format: auto | keel | cwq | pathquestion | metaqa")
+
+
+@dataclass
+class EnvConfig:
+    informative_errors: bool = doc(False, "L_sig: failed queries say why ('ERROR: ...') instead of a silent []")
+    max_items: int = doc(30, "longest list a verb returns; the rest is summarised as a count")
+    list_relations: bool = doc(True, "list the KG's relation names in the system prompt (paper B: False)")
+    oracle_relations: bool = doc(False, "ablation: inject the gold relation for the next hop into each observation")
+    readable_ids: bool = doc(False, "L_lang: show entities by readable name instead of opaque m. ids")
+    accept_names: bool = doc(False, "L_comp: accept entity names (not only ids) as arguments")
+    rename_schema: bool = doc(False, "L_prior: rename relations to unfamiliar opaque names")
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = doc(8, "distinct questions per GRPO step")
+    group_size: int = doc(4, "rollouts per question (GRPO group n; paper A: 8)")
+    temperature: float = doc(1.0, "sampling temperature (paper A: 1.0; paper B: 0.7)")
+    max_turns: int = doc(4, "assistant turns per episode (paper B: 5; paper A: up to 30)")
+    max_new_tokens: int = doc(96, "tokens per assistant turn")
+    max_total_tokens: int = doc(1536, "tokens per episode, prompt included")
+
+
+@dataclass
+class SFTConfig:
+    enabled: bool = doc(True, "run an SFT warm-start on gold trajectories before RL")
+    steps: int = doc(40, "optimizer steps of the warm-start")
+    batch_size: int = doc(8, "examples per SFT step (packed trajectories or single-step examples)")
+    lr: float = doc(5e-5, "SFT learning rate (MEASURED.md: 5e-5 learned stopping in minutes; 1e-5 did not)")
+    packed: bool = doc(True, "one example per trajectory with every assistant turn a target (same loss as single-step examples, fewer tokens)")
+    warmup_steps: int = doc(0, "linear warm-up steps")
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = doc(10, "GRPO steps")
+    lr: float = doc(1e-6, "RL learning rate (paper A: 1e-6; with interleaving 1e-5 was better)")
+    warmup_steps: int = doc(0, "linear warm-up steps (paper A: 10)")
+    clip_low: float = doc(0.2, "PPO clip range below 1 (ratio floor 1 - clip_low)")
+    clip_high: float = doc(0.2, "PPO clip range above 1 (DAPO clip-higher uses 0.28)")
+    kl_coef: float = doc(1e-4, "coefficient of the KL-to-reference loss (paper A: 1e-4; paper B notes: 0.05)")
+    kl_estimator: str = doc("k3", "k1 | k3 (k3 = verl's low_var_kl)")
+    scale_by_std: bool = doc(True, "divide group-centred rewards by the group std (Dr. GRPO: False)")
+    loss_aggregation: str = doc("token-mean", "token-mean | seq-mean-token-mean")
+    micro_batch_size: int = doc(8, "sequences per forward/backward (gradient accumulation; loss is identical)")
+    max_grad_norm: float = doc(1.0, "gradient clipping norm")
+    weight_decay: float = doc(0.0, "AdamW weight decay")
+    skip_zero_advantage: bool = doc(True, "do not forward members whose advantage is 0 (uniform groups): their policy-gradient term is exactly 0; their KL term is dropped too")
+
+
+@dataclass
+class RewardConfig:
+    name: str = doc("r_binary", "reward function, a key of keel.rewards.REWARDS (paper B ladder: r_binary, r_binary_sr, r_stepwise, r_toolverbs, r_selfv, ...)")
+
+
+@dataclass
+class EvalConfig:
+    every: int = doc(5, "evaluate on dev every N GRPO steps (and at the end)")
+    n_dev: int = doc(50, "dev questions per evaluation (a fixed subset)")
+    before_sft: bool = doc(True, "evaluate the untrained model too, so summary.json shows before/after")
+    batch_size: int = doc(25, "episodes per batched greedy rollout")
+    max_new_tokens: int = doc(96, "tokens per assistant turn at evaluation")
+    samples: int = doc(4, "decoded trajectories saved to samples/ at each evaluation")
+
+
+@dataclass
+class RunConfig:
+    seed: int = doc(0, "seed of model init (tiny), data order and sampling")
+    out: str = doc("runs", "parent directory of run directories (used when --out is not given)")
+    checkpoint_every: int = doc(0, "save `latest` every N GRPO steps (0: only at evaluations and the end)")
+    save_checkpoints: bool = doc(True, "write checkpoints/latest and checkpoints/peak")
+    threads: int = doc(0, "torch CPU threads (0: torch's default)")
+    progress: bool = doc(True, "show progress bars with ETA")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# `keel train ANY_PRESET --smoke`: the tiny model and a minimal budget, to check a config runs.
+SMOKE: dict[str, Any] = {
+    "model.name": "tiny",
+    "model.dtype": "float32",
+    "model.device": "cpu",
+    "data.n_train": 16,
+    "data.n_dev": 4,
+    "data.n_test": 4,
+    "rollout.prompts_per_step": 2,
+    "rollout.group_size": 2,
+    "rollout.max_turns": 2,
+    "rollout.max_new_tokens": 16,
+    "sft.steps": 2,
+    "sft.batch_size": 2,
+    "grpo.steps": 2,
+    "grpo.micro_batch_size": 4,
+    "eval.every": 2,
+    "eval.n_dev": 2,
+    "eval.max_new_tokens": 16,
+    "eval.samples": 2,
+    "run.checkpoint_every": 1,
+}
+
+
+def to_dict(cfg) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _leaf_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def set_key(cfg: Config, key: str, value: Any) -> None:
+    """Set `a.b` = value with a type check. Raises ConfigError naming the key."""
+    parts = key.split(".")
+    obj = cfg
+    for i, p in enumerate(parts[:-1]):
+        if not dataclasses.is_dataclass(obj) or p not in {f.name for f in dataclasses.fields(obj)}:
+            raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])!r} (in {key!r})")
+        obj = getattr(obj, p)
+    leaf = parts[-1]
+    if not dataclasses.is_dataclass(obj) or leaf not in {f.name for f in dataclasses.fields(obj)}:
+        known = ", ".join(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else ""
+        raise ConfigError(f"unknown config key {key!r}" + (f" (known in this section: {known})" if known else ""))
+    expected = _leaf_types(type(obj))[leaf]
+    if dataclasses.is_dataclass(expected):
+        raise ConfigError(f"config key {key!r} is a section; set its fields ({key}.<field>)")
+    setattr(obj, leaf, _coerce(key, value, expected))
+
+
+def _coerce(key: str, value: Any, expected) -> Any:
+    origin = typing.get_origin(expected)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(expected)[:1] or (Any,)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
+        return [_coerce(key, v, item) for v in value]
+    if expected is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key {key!r} expects true/false, got {value!r}")
+    if expected is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key {key!r} expects an integer, got {value!r}")
+    if expected is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"config key {key!r} expects a number, got {value!r}")
+    if expected is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"config key {key!r} expects a string, got {value!r}")
+    return value
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out += _flatten(v, key + ".")
+        else:
+            out.append((key, v))
+    return out
+
+
+def apply_dict(cfg: Config, d: dict[str, Any], where: str = "") -> None:
+    for key, value in _flatten(d):
+        try:
+            set_key(cfg, key, value)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}" if where else str(e)) from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'a.b=value' → ('a.b', YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(preset: str | Path | None = None, overrides: list[str] | None = None, smoke: bool = False) -> Config:
+    """Defaults ← preset YAML ← smoke shrink ← --set overrides (later wins)."""
+    cfg = Config()
+    if preset:
+        path = Path(preset)
+        if not path.exists():
+            candidate = Path(__file__).resolve().parent.parent / "configs" / (str(preset) if str(preset).endswith(".yaml") else f"{preset}.yaml")
+            if candidate.exists():
+                path = candidate
+            else:
+                raise ConfigError(f"config file not found: {preset}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}{where}: invalid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+        apply_dict(cfg, data, str(path))
+    if smoke:
+        for k, v in SMOKE.items():
+            set_key(cfg, k, v)
+    for o in overrides or []:
+        k, v = parse_override(o)
+        set_key(cfg, k, v)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a type check cannot do; each error names the key."""
+    checks = [
+        (cfg.rollout.group_size >= 1, "rollout.group_size must be ≥ 1"),
+        (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be ≥ 1"),
+        (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
+        (cfg.rollout.max_turns >= 1, "rollout.max_turns must be ≥ 1"),
+        (cfg.grpo.kl_estimator in ("k1", "k3"), f"grpo.kl_estimator must be k1 or k3, got {cfg.grpo.kl_estimator!r}"),
+        (cfg.grpo.loss_aggregation in ("token-mean", "seq-mean-token-mean"), f"grpo.loss_aggregation must be token-mean or seq-mean-token-mean, got {cfg.grpo.loss_aggregation!r}"),
+        (cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}"),
+        (cfg.data.source in ("synthetic", "files", "dir"), f"data.source must be synthetic, files or dir, got {cfg.data.source!r}"),
+        (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),
+        (cfg.eval.every >= 1, "eval.every must be ≥ 1"),
+        (cfg.grpo.micro_batch_size >= 1, "grpo.micro_batch_size must be ≥ 1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def describe() -> str:
+    """Every config key with its default and documentation (for --help-config)."""
+    lines = []
+    for sec in dataclasses.fields(Config):
+        lines.append(f"{sec.name}:")
+        for f in dataclasses.fields(sec.default_factory()):
+            default = getattr(sec.default_factory(), f.name)
+            lines.append(f"  {sec.name}.{f.name} = {default!r}  — {f.metadata.get('help', '')}")
+    return "\n".join(lines)

