@@ -120,7 +120,7 @@ def render_assistant_calls(calls: list[dict[str, Any]], content: str = "") -> st
 
 _CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-MAX_CALL_CHARS = 4096  # a call longer than this is rejected before json parsing
+MAX_CALL_CHARS = 16384  # a call longer than this is rejected before json parsing (BFCL long_context gold calls reach 6,743)
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:

@@ -145,7 +145,8 @@ def _kg_tasks(args):
             raise DataError("eval: --kb TRIPLES is required when --data is a questions file")
         if not Path(args.kb).exists():
             raise DataError(f"eval: --kb not found: {args.kb}")
-        store, tasks = load_store(Path(args.kb)), load_tasks(data, args.format)
+        store = load_store(Path(args.kb))
+        tasks = load_tasks(data, args.format, store=store)
     if args.limit:
         tasks = tasks[: args.limit]
     return store, tasks

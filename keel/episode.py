@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from keel.chat import extract_answer, parse_tool_calls
-from keel.types import Env, Episode, Step, Task
+from keel.types import Env, Episode, Step, Task, Trajectory
 
 
 @dataclass
@@ -31,8 +31,12 @@ class TurnOutcome:
 
 def process_turn(episode: Episode, text: str, turn: int) -> TurnOutcome:
     """Parse and execute the calls of one assistant turn. Never raises on model text."""
-    calls = parse_tool_calls(text)
+    # An episode may bring its own parser (function calling reads Python-call syntax too) and
+    # count steps per turn (BFCL's step limit); the KG env uses the Hermes JSON parser.
+    calls = getattr(episode, "parse", parse_tool_calls)(text)
     if calls:
+        if hasattr(episode, "begin_step"):
+            episode.begin_step()
         steps = []
         for call in calls:
             try:
@@ -59,6 +63,12 @@ class TextEpisode:
     answer: str | None = None
     finished: bool = False
     truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)  # what the episode reported on close (e.g. checker_valid)
+
+    def to_trajectory(self) -> Trajectory:
+        """The same episode as a token-less Trajectory, so every scorer reads one type."""
+        return Trajectory(task_id=self.task_id, token_ids=[], sources=[], logprobs=[], turn_texts=list(self.turn_texts),
+                          steps=list(self.steps), answer=self.answer, finished=self.finished, truncated=self.truncated, info=dict(self.info))
 
 
 TextPolicy = Callable[[Task, list[dict[str, Any]]], str]
@@ -92,4 +102,7 @@ def run_text_episode(env: Env, task: Task, policy: TextPolicy, max_turns: int) -
             out.truncated = True
     finally:
         episode.close()
+        out_info = getattr(episode, "info", None)
+        if out_info:
+            out.info.update(out_info)
     return out

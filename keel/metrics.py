@@ -94,3 +94,6 @@ OPTIM_LR = "optim/lr"
 NONDETERMINISTIC_PREFIXES = ("time/", "mem/", "rollout/tokens_per_s")
 
 # --- names added by other modules go below this line (keep grouped by prefix) ---
+# tokens/ (keel.diagnostics.telemetry.ControlFrequencyBaseline)
+TOKENS_CONTROL_FREQ_RATIO_PREFIX = "tokens/freq_ratio/"  # + tag: (policy + 0.1) / (reference + 0.1) occurrences per trajectory
+TOKENS_CONTROL_FREQ_MAX_RATIO = "tokens/freq_max_ratio"  # largest of those ratios

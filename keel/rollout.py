@@ -270,8 +270,9 @@ def rollout(
         for r in rows:
             try:
                 r.episode.close()
-            except Exception:
-                pass
+                r.traj.info.update(getattr(r.episode, "info", None) or {})  # e.g. BFCL's checker_valid
+            except Exception as exc:  # a failing close must not lose the batch
+                r.traj.info["close_error"] = f"{type(exc).__name__}: {exc}"
         if was_training:
             model.train()
     elapsed = time.perf_counter() - t0

