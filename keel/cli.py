@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     cp = sub.add_parser("compare", help="compare runs: eval metrics with Wilson 95%% intervals and McNemar tests")
     cp.add_argument("run_dirs", nargs="+")
     cp.add_argument("--out", help="write the comparison page here (HTML)")
+    cp.add_argument("--at", default="final", help="which eval of each run: final, peak (by EM) or a step number")
     return p
 
 
@@ -241,11 +242,11 @@ def _compare(args) -> int:
     for r in args.run_dirs:
         if not Path(r).is_dir():
             raise FileNotFoundError(f"compare: run directory not found: {r}")
-    result = compare_runs([Path(r) for r in args.run_dirs], out=Path(args.out) if args.out else None)
-    if isinstance(result, str):
-        print(result)
-    else:
-        print(json.dumps(result, indent=2, default=str))
+    at = int(args.at) if args.at.isdigit() else args.at
+    result = compare_runs([Path(r) for r in args.run_dirs], out=Path(args.out) if args.out else None, at=at)
+    print(result["table"])
+    if result.get("html"):
+        print(f"wrote {result['html']}")
     return 0
 
 

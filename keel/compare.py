@@ -18,8 +18,8 @@ from itertools import combinations
 from pathlib import Path
 from typing import Any, Iterable
 
-from keel import metrics as M
-from keel.report import PALETTE, Line, esc, fmt, line_chart, load_run, page, read_jsonl, step_files, write_atomic
+from keel import metrics
+from keel.report import PALETTE, Line, escape, line_chart, load_run, page, read_jsonl, step_files, write_atomic
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 EXACT_BELOW = 25  # discordant pairs below this: exact binomial McNemar (chi-square is poor there)
@@ -27,14 +27,14 @@ BINARY_FIELDS = ("em", "cvt", "format_valid")  # 0/1 per question: Wilson interv
 MEAN_FIELDS = ("f1", "tools")  # continuous per question: mean ± 1.96 standard errors
 PAIRED_FIELDS = ("em", "cvt")
 OVERLAY = (
-    (M.EVAL_EM, "dev EM"),
-    (M.EVAL_CVT, "dev CvT"),
-    (M.EVAL_F1, "dev F1"),
-    (M.EVAL_TOOLS_PER_QUESTION, "dev tools per question"),
-    (M.REWARD_MEAN, "reward/mean"),
-    (M.KL_MEAN, "kl/mean"),
-    (M.COLLAPSE_HEALTHY_CALL, "share of healthy tool calls"),
-    (M.TOKENS_ENTROPY, "policy entropy"),
+    (metrics.EVAL_EM, "dev EM"),
+    (metrics.EVAL_CVT, "dev CvT"),
+    (metrics.EVAL_F1, "dev F1"),
+    (metrics.EVAL_TOOLS_PER_QUESTION, "dev tools per question"),
+    (metrics.REWARD_MEAN, "reward/mean"),
+    (metrics.KL_MEAN, "kl/mean"),
+    (metrics.COLLAPSE_HEALTHY_CALL, "share of healthy tool calls"),
+    (metrics.TOKENS_ENTROPY, "policy entropy"),
 )
 
 
@@ -57,7 +57,10 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z / denominator * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # At k = 0 (k = n) the lower (upper) end is exactly 0 (1); rounding would leave 1e-17 off.
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return low, high
 
 
 def mean_interval(values: list[float], z: float = Z95) -> tuple[float, float, float]:
@@ -342,7 +345,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def _html_table(header: list[str], rows: list[list[str]]) -> str:
-    return "<table><tr>" + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>" + "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
+    return "<table><tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>" + "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
 
 
 def render_comparison(result: dict[str, Any], dirs: list[Path]) -> str:
@@ -355,7 +358,7 @@ def render_comparison(result: dict[str, Any], dirs: list[Path]) -> str:
         charts.append(line_chart(title, lines, y_range=(0.0, None), width=440))
     body = [
         f"<h1>Keel comparison of {len(loaded)} runs</h1>",
-        f'<p class="note">{esc(", ".join(str(d.resolve()) for d in dirs))}</p>',
+        f'<p class="note">{escape(", ".join(str(d.resolve()) for d in dirs))}</p>',
         "<h2>Eval metrics (Wilson 95% intervals for shares)</h2>",
         _html_table(*metric_rows(result)),
     ]
@@ -364,5 +367,5 @@ def render_comparison(result: dict[str, Any], dirs: list[Path]) -> str:
     body += ["<h2>Curves</h2>", f'<div class="row">{"".join(charts)}</div>']
     problems = [f"{run.name}: {p}" for run in loaded for p in run.problems]
     if problems:
-        body.append("<h2>Data problems</h2><ul>" + "".join(f"<li>{esc(p)}</li>" for p in problems[:50]) + "</ul>")
+        body.append("<h2>Data problems</h2><ul>" + "".join(f"<li>{escape(p)}</li>" for p in problems[:50]) + "</ul>")
     return page("Keel comparison", "".join(body))

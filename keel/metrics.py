@@ -90,6 +90,10 @@ MEM_PEAK_RSS = "mem/peak_rss_mb"
 
 OPTIM_LR = "optim/lr"
 
+# alerts/
+ALERT_COUNT = "alerts/count"  # alerts raised at this step (details in alerts.jsonl)
+ALERT_ROLLBACK = "alerts/rollback"  # 1 at a step where the policy was rolled back to the peak checkpoint
+
 # Keys whose values depend on wall time or the machine, excluded when comparing two runs.
 NONDETERMINISTIC_PREFIXES = ("time/", "mem/", "rollout/tokens_per_s")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from keel import metrics as M
+from keel import metrics
 from keel.chat import CONTROL_TAGS, token_tag_labels
 
 # ----------------------------------------------------------------------------------------------
@@ -81,11 +81,11 @@ def metric_series(rows: Iterable[dict[str, Any]]) -> dict[str, list[tuple[int, f
     """
     by_key: dict[str, dict[int, float]] = {}
     for row in rows:
-        step = row.get(M.STEP)
+        step = row.get(metrics.STEP)
         if isinstance(step, bool) or not isinstance(step, int):
             continue
         for key, value in row.items():
-            if key in (M.STEP, M.PHASE):
+            if key in (metrics.STEP, metrics.PHASE):
                 continue
             number = _number(value)
             if number is not None:
@@ -129,14 +129,14 @@ class Run:
 def eval_means(path: Path) -> dict[str, float]:
     """Means of the per-question fields of one eval file, under eval/ metric names."""
     rows, _ = read_jsonl(path)
-    fields = {"em": M.EVAL_EM, "f1": M.EVAL_F1, "cvt": M.EVAL_CVT, "format_valid": M.EVAL_FORMAT_VALID, "tools": M.EVAL_TOOLS_PER_QUESTION}
+    fields = {"em": metrics.EVAL_EM, "f1": metrics.EVAL_F1, "cvt": metrics.EVAL_CVT, "format_valid": metrics.EVAL_FORMAT_VALID, "answered": metrics.EVAL_ANSWERED, "tools": metrics.EVAL_TOOLS_PER_QUESTION}
     out: dict[str, float] = {}
     for name, key in fields.items():
         values = [v for v in (_number(r.get(name)) for r in rows) if v is not None]
         if values:
             out[key] = sum(values) / len(values)
     if rows:
-        out[M.EVAL_N] = float(len(rows))
+        out[metrics.EVAL_N] = float(len(rows))
     return out
 
 
@@ -185,16 +185,16 @@ def load_run(run_dir: str | os.PathLike) -> Run:
 
 
 # ----------------------------------------------------------------------------------------------
-# SVG primitives (return markup; every text that reaches the page goes through esc)
+# SVG primitives (return markup; every text that reaches the page goes through escape)
 # ----------------------------------------------------------------------------------------------
 
 
-def esc(value: Any) -> str:
+def escape(value: Any) -> str:
     """HTML-escape anything (quotes too, so the result is safe inside attributes)."""
     return html.escape(str(value), quote=True)
 
 
-def fmt(value: float | None) -> str:
+def format_number(value: float | None) -> str:
     """Short human number: 0.412, 12.3, 4,096; '–' for None."""
     if value is None:
         return "–"
@@ -230,6 +230,28 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
     return ticks
 
 
+MAX_POINTS = 1200  # per drawn series; a 50k-step run would otherwise make a 5 MB page
+
+
+def thin(points: list[tuple[float, float]], max_points: int = MAX_POINTS) -> list[tuple[float, float]]:
+    """At most `max_points` points: consecutive buckets keep their lowest and highest point (in
+    step order), so a one-step KL spike survives where every-k-th sampling would drop it.
+
+    Worked example, max_points 4: [(1,0),(2,9),(3,1),(4,2),(5,0),(6,3)] → buckets of 3:
+    [(1,0),(2,9)] + [(5,0),(6,3)].
+    """
+    if len(points) <= max_points:
+        return points
+    size = math.ceil(len(points) / (max_points // 2))
+    kept: list[tuple[float, float]] = []
+    for i in range(0, len(points), size):
+        bucket = points[i : i + size]
+        low = min(range(len(bucket)), key=lambda k: bucket[k][1])
+        high = max(range(len(bucket)), key=lambda k: bucket[k][1])
+        kept += [bucket[k] for k in sorted({low, high})]
+    return kept
+
+
 @dataclass
 class Line:
     name: str
@@ -249,8 +271,8 @@ class Marker:
 
 def _legend(lines: list[tuple[str, str, bool]]) -> str:
     items = "".join(
-        f'<span class="key"><svg width="18" height="8"><line x1="0" y1="4" x2="18" y2="4" stroke="{esc(c)}" stroke-width="2"'
-        f'{" stroke-dasharray=&quot;4 3&quot;" if dashed else ""}/></svg>{esc(n)}</span>'
+        f'<span class="key"><svg width="18" height="8"><line x1="0" y1="4" x2="18" y2="4" stroke="{escape(c)}" stroke-width="2"'
+        f'{" stroke-dasharray=&quot;4 3&quot;" if dashed else ""}/></svg>{escape(n)}</span>'
         for n, c, dashed in lines
     )
     return f'<figcaption>{items}</figcaption>'
@@ -271,11 +293,11 @@ def line_chart(
 
     `y_range` pins either end (None = from the data). Markers outside the x range are dropped.
     """
-    lines = [ln for ln in lines if ln.points]
+    lines = [series for series in lines if series.points]
     if not lines:
-        return f'<p class="note">{esc(title)}: no data yet.</p>'
-    xs = [x for ln in lines for x, _ in ln.points]
-    ys = [y for ln in lines for _, y in ln.points]
+        return f'<p class="note">{escape(title)}: no data yet.</p>'
+    xs = [x for series in lines for x, _ in series.points]
+    ys = [y for series in lines for _, y in series.points]
     x_low, x_high = x_range if x_range else (min(xs), max(xs))
     if x_high <= x_low:
         x_low, x_high = x_low - 1, x_high + 1
@@ -289,53 +311,53 @@ def line_chart(
     left, right, top, bottom = 52, 12, 22, 30
     plot_w, plot_h = width - left - right, height - top - bottom
 
-    def px(x: float) -> float:
+    def to_x(x: float) -> float:
         return left + (x - x_low) / (x_high - x_low) * plot_w
 
-    def py(y: float) -> float:
+    def to_y(y: float) -> float:
         return top + (y_high - y) / (y_high - y_low) * plot_h
 
     out = [f'<svg class="chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">']
-    out.append(f'<text x="{left}" y="14" class="title">{esc(title)}</text>')
+    out.append(f'<text x="{left}" y="14" class="title">{escape(title)}</text>')
     for t in y_ticks:
-        y = py(t)
+        y = to_y(t)
         out.append(f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
-        out.append(f'<text x="{left - 4}" y="{y + 3:.1f}" class="tick" text-anchor="end">{esc(fmt(t))}</text>')
+        out.append(f'<text x="{left - 4}" y="{y + 3:.1f}" class="tick" text-anchor="end">{escape(format_number(t))}</text>')
     for t in nice_ticks(x_low, x_high, 5):
-        x = px(t)
+        x = to_x(t)
         out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top + plot_h}" y2="{top + plot_h + 4}" class="axis"/>')
-        out.append(f'<text x="{x:.1f}" y="{top + plot_h + 15}" class="tick" text-anchor="middle">{esc(fmt(t))}</text>')
+        out.append(f'<text x="{x:.1f}" y="{top + plot_h + 15}" class="tick" text-anchor="middle">{escape(format_number(t))}</text>')
     out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" class="frame"/>')
     by_step: dict[float, list[str]] = {}
     for m in markers:
         if x_low <= m.x <= x_high:
             by_step.setdefault(m.x, []).append(m.label)
     for x_value, labels in sorted(by_step.items()):
-        x = px(x_value)
-        tip = esc(f"step {x_value:g}: " + "; ".join(labels))
+        x = to_x(x_value)
+        tip = escape(f"step {x_value:g}: " + "; ".join(labels))
         out.append(
             f'<g class="alert"><title>{tip}</title><line x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{top + plot_h}"/>'
             f'<path d="M{x - 4:.1f},{top - 6} L{x + 4:.1f},{top - 6} L{x:.1f},{top} Z"/></g>'
         )
-    for ln in lines:
-        path = " ".join(f"{'M' if i == 0 else 'L'}{px(x):.1f},{py(y):.1f}" for i, (x, y) in enumerate(ln.points))
-        dash = ' stroke-dasharray="5 3"' if ln.dashed else ""
-        out.append(f'<path d="{path}" fill="none" stroke="{esc(ln.colour)}" stroke-width="1.6"{dash}><title>{esc(ln.name)}</title></path>')
-        if ln.dots:
-            for x, y in ln.points:
+    for series in lines:
+        path = " ".join(f"{'M' if i == 0 else 'L'}{to_x(x):.1f},{to_y(y):.1f}" for i, (x, y) in enumerate(thin(series.points)))
+        dash = ' stroke-dasharray="5 3"' if series.dashed else ""
+        out.append(f'<path d="{path}" fill="none" stroke="{escape(series.colour)}" stroke-width="1.6"{dash}><title>{escape(series.name)}</title></path>')
+        if series.dots:
+            for x, y in series.points:
                 out.append(
-                    f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.6" fill="{esc(ln.colour)}">'
-                    f"<title>{esc(f'{ln.name} @ step {x:g}: {fmt(y)}')}</title></circle>"
+                    f'<circle cx="{to_x(x):.1f}" cy="{to_y(y):.1f}" r="2.6" fill="{escape(series.colour)}">'
+                    f"<title>{escape(f'{series.name} @ step {x:g}: {format_number(y)}')}</title></circle>"
                 )
     if peak is not None:
         x, y, label = peak
         out.append(
-            f'<g class="peak"><circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="5"/>'
-            f'<text x="{px(x) + (-6 if px(x) > left + plot_w * 0.7 else 6):.1f}" y="{max(py(y) - 7, top + 9):.1f}" '
-            f'text-anchor="{"end" if px(x) > left + plot_w * 0.7 else "start"}">{esc(label)}</text></g>'
+            f'<g class="peak"><circle cx="{to_x(x):.1f}" cy="{to_y(y):.1f}" r="5"/>'
+            f'<text x="{to_x(x) + (-6 if to_x(x) > left + plot_w * 0.7 else 6):.1f}" y="{max(to_y(y) - 7, top + 9):.1f}" '
+            f'text-anchor="{"end" if to_x(x) > left + plot_w * 0.7 else "start"}">{escape(label)}</text></g>'
         )
     out.append("</svg>")
-    legend = _legend([(ln.name, ln.colour, ln.dashed) for ln in lines])
+    legend = _legend([(series.name, series.colour, series.dashed) for series in lines])
     return f'<figure>{"".join(out)}{legend}</figure>'
 
 
@@ -344,41 +366,41 @@ def stacked_area_chart(title: str, layers: list[tuple[str, str, list[tuple[int, 
     missing are left out rather than drawn as zero."""
     present = [(n, c, dict(p)) for n, c, p in layers if p]
     if not present:
-        return f'<p class="note">{esc(title)}: no data yet.</p>'
+        return f'<p class="note">{escape(title)}: no data yet.</p>'
     steps = sorted(set.intersection(*(set(d) for _, _, d in present)))
     if not steps:
-        return f'<p class="note">{esc(title)}: the states were never logged at the same step.</p>'
+        return f'<p class="note">{escape(title)}: the states were never logged at the same step.</p>'
     left, right, top, bottom = 52, 12, 22, 30
     plot_w, plot_h = width - left - right, height - top - bottom
     x_low, x_high = steps[0], steps[-1] if steps[-1] > steps[0] else steps[0] + 1
     total_high = max(1.0, max(sum(d[s] for _, _, d in present) for s in steps))
 
-    def px(x: float) -> float:
+    def to_x(x: float) -> float:
         return left + (x - x_low) / (x_high - x_low) * plot_w
 
-    def py(y: float) -> float:
+    def to_y(y: float) -> float:
         return top + (total_high - y) / total_high * plot_h
 
     out = [f'<svg class="chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">']
-    out.append(f'<text x="{left}" y="14" class="title">{esc(title)}</text>')
+    out.append(f'<text x="{left}" y="14" class="title">{escape(title)}</text>')
     for t in nice_ticks(0, total_high, 4):
-        out.append(f'<line x1="{left}" x2="{width - right}" y1="{py(t):.1f}" y2="{py(t):.1f}" class="grid"/>')
-        out.append(f'<text x="{left - 4}" y="{py(t) + 3:.1f}" class="tick" text-anchor="end">{esc(fmt(t))}</text>')
+        out.append(f'<line x1="{left}" x2="{width - right}" y1="{to_y(t):.1f}" y2="{to_y(t):.1f}" class="grid"/>')
+        out.append(f'<text x="{left - 4}" y="{to_y(t) + 3:.1f}" class="tick" text-anchor="end">{escape(format_number(t))}</text>')
     for t in nice_ticks(x_low, x_high, 5):
-        out.append(f'<text x="{px(t):.1f}" y="{top + plot_h + 15}" class="tick" text-anchor="middle">{esc(fmt(t))}</text>')
+        out.append(f'<text x="{to_x(t):.1f}" y="{top + plot_h + 15}" class="tick" text-anchor="middle">{escape(format_number(t))}</text>')
     below = {s: 0.0 for s in steps}
     for name, colour, values in present:
         above = {s: below[s] + values[s] for s in steps}
         if len(steps) == 1:  # one step: a full-width band
             s = steps[0]
-            upper = [(left, py(above[s])), (left + plot_w, py(above[s]))]
-            lower = [(left + plot_w, py(below[s])), (left, py(below[s]))]
+            upper = [(left, to_y(above[s])), (left + plot_w, to_y(above[s]))]
+            lower = [(left + plot_w, to_y(below[s])), (left, to_y(below[s]))]
         else:
-            upper = [(px(s), py(above[s])) for s in steps]
-            lower = [(px(s), py(below[s])) for s in reversed(steps)]
+            upper = [(to_x(s), to_y(above[s])) for s in steps]
+            lower = [(to_x(s), to_y(below[s])) for s in reversed(steps)]
         points = " ".join(f"{x:.1f},{y:.1f}" for x, y in upper + lower)
         last = steps[-1]
-        out.append(f'<polygon points="{points}" fill="{esc(colour)}" opacity="0.85"><title>{esc(f"{name}: {fmt(values[last])} at step {last}")}</title></polygon>')
+        out.append(f'<polygon points="{points}" fill="{escape(colour)}" opacity="0.85"><title>{escape(f"{name}: {format_number(values[last])} at step {last}")}</title></polygon>')
         below = above
     out.append(f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" class="frame"/>')
     out.append("</svg>")
@@ -406,7 +428,7 @@ def heatmap(title: str, rows: list[tuple[str, list[tuple[int, float]]]], *, max_
     """
     rows = [(name, points) for name, points in rows if points]
     if not rows:
-        return f'<p class="note">{esc(title)}: no data yet.</p>'
+        return f'<p class="note">{escape(title)}: no data yet.</p>'
     steps = sorted({s for _, pts in rows for s, _ in pts})
     group = max(1, math.ceil(len(steps) / max_columns))
     columns = [steps[i : i + group] for i in range(0, len(steps), group)]
@@ -431,27 +453,27 @@ def heatmap(title: str, rows: list[tuple[str, list[tuple[int, float]]]], *, max_
     cell_w = (width - label_w - 24) / len(columns)
     height = top + cell_h * len(rows) + 44
     out = [f'<svg class="chart" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">']
-    out.append(f'<text x="4" y="14" class="title">{esc(title)}</text>')
+    out.append(f'<text x="4" y="14" class="title">{escape(title)}</text>')
     for r, ((name, _), cells) in enumerate(zip(rows, grid)):
         y = top + r * cell_h
-        out.append(f'<text x="{label_w - 6}" y="{y + cell_h - 4}" class="tick" text-anchor="end">{esc(name)}</text>')
+        out.append(f'<text x="{label_w - 6}" y="{y + cell_h - 4}" class="tick" text-anchor="end">{escape(name)}</text>')
         for c, value in enumerate(cells):
             x = label_w + c * cell_w
             col = columns[c]
             span = f"step {col[0]}" if len(col) == 1 else f"steps {col[0]}–{col[-1]}"
             fill = "#f3f4f6" if value is None else heat_colour(scale(value))
-            tip = f"{name}, {span}: {'not logged' if value is None else fmt(value)}"
-            out.append(f'<rect x="{x:.1f}" y="{y}" width="{cell_w + 0.3:.1f}" height="{cell_h - 1}" fill="{fill}"><title>{esc(tip)}</title></rect>')
+            tip = f"{name}, {span}: {'not logged' if value is None else format_number(value)}"
+            out.append(f'<rect x="{x:.1f}" y="{y}" width="{cell_w + 0.3:.1f}" height="{cell_h - 1}" fill="{fill}"><title>{escape(tip)}</title></rect>')
     base = top + cell_h * len(rows)
     for t in nice_ticks(steps[0], steps[-1], 6) if len(steps) > 1 else [steps[0]]:
         index = min(range(len(columns)), key=lambda c: abs(columns[c][0] - t))
         x = label_w + (index + 0.5) * cell_w
-        out.append(f'<text x="{x:.1f}" y="{base + 12}" class="tick" text-anchor="middle">{esc(fmt(t))}</text>')
+        out.append(f'<text x="{x:.1f}" y="{base + 12}" class="tick" text-anchor="middle">{escape(format_number(t))}</text>')
     bar_x, bar_y = label_w, base + 22
     for i in range(50):
         out.append(f'<rect x="{bar_x + i * 4}" y="{bar_y}" width="4.3" height="8" fill="{heat_colour(i / 49)}"/>')
-    out.append(f'<text x="{bar_x - 6}" y="{bar_y + 8}" class="tick" text-anchor="end">{esc(fmt(low))}</text>')
-    out.append(f'<text x="{bar_x + 206}" y="{bar_y + 8}" class="tick">{esc(fmt(high))} (log scale)</text>')
+    out.append(f'<text x="{bar_x - 6}" y="{bar_y + 8}" class="tick" text-anchor="end">{escape(format_number(low))}</text>')
+    out.append(f'<text x="{bar_x + 206}" y="{bar_y + 8}" class="tick">{escape(format_number(high))} (log scale)</text>')
     out.append("</svg>")
     return f'<figure>{"".join(out)}</figure>'
 
@@ -462,17 +484,19 @@ def heatmap(title: str, rows: list[tuple[str, list[tuple[int, float]]]], *, max_
 
 SOURCE_NAMES = {0: "prompt", 1: "policy", 2: "tool", 3: "hint", 4: "expert", 5: "reflection"}
 STATE_LAYERS = (
-    (M.COLLAPSE_HEALTHY_CALL, "healthy tool call", "#16a34a"),
-    (M.COLLAPSE_HEALTHY_RESPONSE, "healthy response", "#60a5fa"),
-    (M.COLLAPSE_TEXT_POLLUTION, "text pollution", "#f59e0b"),
-    (M.COLLAPSE_FULL, "full collapse", "#b91c1c"),
+    (metrics.COLLAPSE_HEALTHY_CALL, "healthy tool call", "#16a34a"),
+    (metrics.COLLAPSE_HEALTHY_RESPONSE, "healthy response", "#60a5fa"),
+    (metrics.COLLAPSE_TEXT_POLLUTION, "text pollution", "#f59e0b"),
+    (metrics.COLLAPSE_FULL, "full collapse", "#b91c1c"),
 )
-EVAL_SHARES = ((M.EVAL_EM, "EM"), (M.EVAL_F1, "F1"), (M.EVAL_CVT, "CvT"), (M.EVAL_FORMAT_VALID, "format valid"))
+EVAL_SHARES = ((metrics.EVAL_EM, "EM"), (metrics.EVAL_F1, "F1"), (metrics.EVAL_CVT, "CvT"), (metrics.EVAL_FORMAT_VALID, "format valid"))
 MAX_SAMPLE_FILES = 4  # the latest sample files shown; older ones are listed by name only
 MAX_TRAJECTORIES = 8  # per sample file
 MAX_TOKENS = 4000  # per trajectory after the prompt; a longer one is cut with a note
 MAX_TEXT = 4000  # characters of one tool observation or turn text
 MAX_EVAL_ROWS = 60
+# Per-question fields shown, in this order, when present (keel.diagnostics.episode_metrics.episode_record).
+EVAL_COLUMNS = ("task_id", "answer", "em", "f1", "cvt", "format_valid", "answered", "tools", "valid_calls", "empty_results", "distinct_nonempty", "verbs", "errors", "truncated")
 
 
 def _alert_markers(run: Run) -> list[Marker]:
@@ -493,22 +517,50 @@ def peak_of(points: list[tuple[int, float]]) -> tuple[int, float] | None:
 
 
 def section_summary(run: Run) -> str:
-    em = run.series.get(M.EVAL_EM, [])
+    em = run.series.get(metrics.EVAL_EM, [])
     peak = peak_of(em)
     cards = [
         ("steps logged", f"{run.steps[0]}–{run.steps[1]}" if run.steps else "none"),
-        ("last dev EM", fmt(em[-1][1]) + f" @ {em[-1][0]}" if em else "no eval yet"),
-        ("peak dev EM", fmt(peak[1]) + f" @ {peak[0]}" if peak else "no eval yet"),
+        ("last dev EM", format_number(em[-1][1]) + f" @ {em[-1][0]}" if em else "no eval yet"),
+        ("peak dev EM", format_number(peak[1]) + f" @ {peak[0]}" if peak else "no eval yet"),
         ("alerts", str(len(run.alerts))),
         ("verdict", str(run.diagnosis.get("mode", "?")) if run.diagnosis else "no diagnosis"),
     ]
-    return '<div class="cards">' + "".join(f'<div class="card"><div class="label">{esc(k)}</div><div class="value">{esc(v)}</div></div>' for k, v in cards) + "</div>"
+    return '<div class="cards">' + "".join(f'<div class="card"><div class="label">{escape(k)}</div><div class="value">{escape(v)}</div></div>' for k, v in cards) + "</div>"
 
 
 def _json_cell(value: Any) -> str:
+    """One value as cell content: text as text, yes/no as ✓/✗, numbers short, the rest as JSON."""
     if isinstance(value, str):
-        return esc(value)
-    return f"<code>{esc(json.dumps(value, ensure_ascii=False, default=str))}</code>"
+        return f"<pre>{escape(_clip(value, 600))}</pre>" if "\n" in value else escape(_clip(value, 600))
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "✓" if value else "✗"
+    if isinstance(value, (int, float)):
+        return escape(format_number(value) if math.isfinite(value) else str(value))
+    return f"<code>{escape(_clip(json.dumps(value, ensure_ascii=False, default=str), 600))}</code>"
+
+
+def _nested_table(value: Any) -> str:
+    """A list of objects (signals, examples) or an object of objects (scores per mode) as a
+    small table with the union of their keys as columns; anything else as one cell."""
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        keyed = [("", v) for v in value]
+    elif isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+        keyed = [(k, v) for k, v in value.items()]
+    else:
+        return _json_cell(value)
+    columns: list[str] = []
+    for _, row in keyed:
+        columns += [c for c in row if c not in columns]
+    first = "<th></th>" if isinstance(value, dict) else ""
+    head = first + "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = "".join(
+        "<tr>" + (f"<td>{escape(k)}</td>" if isinstance(value, dict) else "") + "".join(f"<td>{_json_cell(row.get(c))}</td>" for c in columns) + "</tr>"
+        for k, row in keyed
+    )
+    return f'<table class="small"><tr>{head}</tr>{body}</table>'
 
 
 def section_verdict(run: Run) -> str:
@@ -518,12 +570,12 @@ def section_verdict(run: Run) -> str:
         parts.append('<p class="note">No diagnosis.json in this run yet (the diagnosis is written by the detectors or by <code>keel diagnose</code>).</p>')
     else:
         confidence = _number(d.get("confidence"))
-        parts.append(f'<p class="verdict">Failure mode: <b>{esc(d.get("mode", "unknown"))}</b>' + (f" (confidence {fmt(confidence)})" if confidence is not None else "") + "</p>")
+        parts.append(f'<p class="verdict">Failure mode: <b>{escape(d.get("mode", "unknown"))}</b>' + (f" (confidence {format_number(confidence)})" if confidence is not None else "") + "</p>")
         evidence = d.get("evidence")
         if isinstance(evidence, dict) and evidence:
-            parts.append("<table><tr><th>evidence</th><th>value</th></tr>" + "".join(f"<tr><td>{esc(k)}</td><td>{_json_cell(v)}</td></tr>" for k, v in evidence.items()) + "</table>")
+            parts.append("<table><tr><th>evidence</th><th>value</th></tr>" + "".join(f"<tr><td>{escape(k)}</td><td>{_nested_table(v)}</td></tr>" for k, v in evidence.items()) + "</table>")
         elif isinstance(evidence, list) and evidence:
-            parts.append("<ul>" + "".join(f"<li>{_json_cell(v)}</li>" for v in evidence) + "</ul>")
+            parts.append(_nested_table(evidence))
         elif evidence:
             parts.append(f"<p>{_json_cell(evidence)}</p>")
     parts.append("<h3>Alerts</h3>")
@@ -532,7 +584,7 @@ def section_verdict(run: Run) -> str:
     else:
         head = "<tr><th>step</th><th>kind</th><th>evidence</th><th>suggested action</th><th>action taken</th></tr>"
         body = "".join(
-            f'<tr><td>{esc(a["step"])}</td><td>{esc(a.get("kind", ""))}</td><td>{_json_cell(a.get("evidence", {}))}</td>'
+            f'<tr><td>{escape(a["step"])}</td><td>{escape(a.get("kind", ""))}</td><td>{_json_cell(a.get("evidence", {}))}</td>'
             f'<td>{_json_cell(a.get("suggested_action", ""))}</td><td>{_json_cell(a.get("action", ""))}</td></tr>'
             for a in sorted(run.alerts, key=lambda a: a["step"])
         )
@@ -542,34 +594,34 @@ def section_verdict(run: Run) -> str:
 
 def section_eval(run: Run) -> str:
     markers, x_range = _alert_markers(run), _x_range(run)
-    em = run.series.get(M.EVAL_EM, [])
+    em = run.series.get(metrics.EVAL_EM, [])
     if not em and not any(run.series.get(k) for k, _ in EVAL_SHARES):
         return '<h2>Dev evaluation</h2><p class="note">No evaluation yet: the curves appear after the first eval step.</p>'
     peak = peak_of(em)
     lines = [Line(label, run.series.get(key, []), PALETTE[i], dots=True) for i, (key, label) in enumerate(EVAL_SHARES)]
     shares = line_chart(
         "EM, F1, CvT, format validity (dev, greedy)", lines, markers=markers, x_range=x_range, y_range=(0.0, None),
-        peak=(peak[0], peak[1], f"peak EM {fmt(peak[1])} @ {peak[0]}") if peak else None, width=560,
+        peak=(peak[0], peak[1], f"peak EM {format_number(peak[1])} @ {peak[0]}") if peak else None, width=560,
     )
     tools = line_chart(
-        "tools per question (dev)", [Line("tools/question", run.series.get(M.EVAL_TOOLS_PER_QUESTION, []), PALETTE[4], dots=True)],
+        "tools per question (dev)", [Line("tools/question", run.series.get(metrics.EVAL_TOOLS_PER_QUESTION, []), PALETTE[4], dots=True)],
         markers=markers, x_range=x_range, y_range=(0.0, None), width=360,
     )
     note = ""
     if peak and em[-1][1] < peak[1]:
-        note = f'<p class="note">Last EM {fmt(em[-1][1])} at step {em[-1][0]} is {fmt(peak[1] - em[-1][1])} below the peak ({fmt(peak[1])} at step {peak[0]}).</p>'
+        note = f'<p class="note">Last EM {format_number(em[-1][1])} at step {em[-1][0]} is {format_number(peak[1] - em[-1][1])} below the peak ({format_number(peak[1])} at step {peak[0]}).</p>'
     return f'<h2>Dev evaluation</h2><div class="row">{shares}{tools}</div>{note}'
 
 
 def section_reward(run: Run) -> str:
     markers, x_range = _alert_markers(run), _x_range(run)
-    skip = {M.REWARD_MEAN, M.REWARD_STD, M.REWARD_MIXED_GROUPS}
-    components = sorted(k for k in run.series if k.startswith(M.REWARD_COMPONENT_PREFIX) and k not in skip)
-    lines = [Line("reward/mean", run.series.get(M.REWARD_MEAN, []), "#111827")]
+    skip = {metrics.REWARD_MEAN, metrics.REWARD_STD, metrics.REWARD_MIXED_GROUPS}
+    components = sorted(k for k in run.series if k.startswith(metrics.REWARD_COMPONENT_PREFIX) and k not in skip)
+    lines = [Line("reward/mean", run.series.get(metrics.REWARD_MEAN, []), "#111827")]
     lines += [Line(k, run.series[k], PALETTE[i % len(PALETTE)], dashed=True) for i, k in enumerate(components)]
     reward = line_chart("reward and its components (training batch)", lines, markers=markers, x_range=x_range, width=560)
     mixed = line_chart(
-        "groups with non-zero reward variance", [Line("reward/mixed_groups", run.series.get(M.REWARD_MIXED_GROUPS, []), PALETTE[5])],
+        "groups with non-zero reward variance", [Line("reward/mixed_groups", run.series.get(metrics.REWARD_MIXED_GROUPS, []), PALETTE[5])],
         markers=markers, x_range=x_range, y_range=(0.0, None), width=360,
     )
     return f'<h2>Reward</h2><div class="row">{reward}{mixed}</div>'
@@ -581,7 +633,7 @@ def section_states(run: Run) -> str:
     states = stacked_area_chart("structural state of outputs (share of trajectories)", layers, width=560)
     drift = line_chart(
         "format drift and tag balance",
-        [Line("collapse/format_drift", run.series.get(M.COLLAPSE_FORMAT_DRIFT, []), PALETTE[1]), Line("tokens/tag_balance", run.series.get(M.TOKENS_TAG_BALANCE, []), PALETTE[3], dashed=True)],
+        [Line("collapse/format_drift", run.series.get(metrics.COLLAPSE_FORMAT_DRIFT, []), PALETTE[1]), Line("tokens/tag_balance", run.series.get(metrics.TOKENS_TAG_BALANCE, []), PALETTE[3], dashed=True)],
         markers=markers, x_range=x_range, y_range=(0.0, None), width=360,
     )
     return f'<h2>Structural states</h2><div class="row">{states}{drift}</div>'
@@ -601,23 +653,23 @@ def section_kl(run: Run) -> str:
     markers, x_range = _alert_markers(run), _x_range(run)
     overview = line_chart(
         "KL to the reference (k3 per policy token)",
-        [Line("kl/mean", run.series.get(M.KL_MEAN, []), "#111827"), Line("kl/text", run.series.get(M.KL_TEXT, []), PALETTE[0], dashed=True)],
+        [Line("kl/mean", run.series.get(metrics.KL_MEAN, []), "#111827"), Line("kl/text", run.series.get(metrics.KL_TEXT, []), PALETTE[0], dashed=True)],
         markers=markers, x_range=x_range, y_range=(0.0, None), width=560,
     )
     share = line_chart(
         "share of KL carried by control tags",
-        [Line("kl/control_share", run.series.get(M.KL_CONTROL_SHARE, []), PALETTE[1])],
+        [Line("kl/control_share", run.series.get(metrics.KL_CONTROL_SHARE, []), PALETTE[1])],
         markers=markers, x_range=x_range, y_range=(0.0, 1.0), width=360,
     )
-    tags = _suffixed(run, M.KL_TAG_PREFIX)
-    rows = [(tag, tags[tag]) for tag in tag_order(tags)] + ([("text (non-tag)", run.series[M.KL_TEXT])] if run.series.get(M.KL_TEXT) else [])
+    tags = _suffixed(run, metrics.KL_TAG_PREFIX)
+    rows = [(tag, tags[tag]) for tag in tag_order(tags)] + ([("text (non-tag)", run.series[metrics.KL_TEXT])] if run.series.get(metrics.KL_TEXT) else [])
     heat = heatmap("mean k3 KL per token class × step", rows)
     return f'<h2>KL by token class</h2><div class="row">{overview}{share}</div>{heat}'
 
 
 def section_frequency(run: Run) -> str:
-    policy = _suffixed(run, M.TOKENS_CONTROL_FREQ_PREFIX)
-    reference = _suffixed(run, M.TOKENS_CONTROL_FREQ_REF_PREFIX)
+    policy = _suffixed(run, metrics.TOKENS_CONTROL_FREQ_PREFIX)
+    reference = _suffixed(run, metrics.TOKENS_CONTROL_FREQ_REF_PREFIX)
     tags = tag_order(set(policy) | set(reference))
     if not tags:
         return '<h2>Control-token frequency</h2><p class="note">No control-token frequencies logged yet.</p>'
@@ -631,21 +683,21 @@ def section_frequency(run: Run) -> str:
     for tag in tags:
         p = policy.get(tag, [])[-1][1] if policy.get(tag) else None
         r = reference.get(tag, [])[-1][1] if reference.get(tag) else None
-        ratio = fmt(p / r) if p is not None and r else "–"
-        rows.append(f"<tr><td><code>{esc(tag)}</code></td><td>{esc(fmt(p))}</td><td>{esc(fmt(r))}</td><td>{esc(ratio)}</td></tr>")
+        ratio = format_number(p / r) if p is not None and r else "–"
+        rows.append(f"<tr><td><code>{escape(tag)}</code></td><td>{escape(format_number(p))}</td><td>{escape(format_number(r))}</td><td>{escape(ratio)}</td></tr>")
     table = "<table><tr><th>tag</th><th>policy (last step)</th><th>reference</th><th>ratio</th></tr>" + "".join(rows) + "</table>"
     return f'<h2>Control-token frequency vs reference (per trajectory)</h2><div class="row">{"".join(charts)}</div>{table}'
 
 
 def section_optimisation(run: Run) -> str:
     markers, x_range = _alert_markers(run), _x_range(run)
-    losses = sorted(k for k in run.series if k.startswith("loss/") and k not in (M.LOSS_GRAD_NORM, M.LOSS_SKIPPED, M.LOSS_RATIO_MEAN) and not k.endswith("_frac"))
+    losses = sorted(k for k in run.series if k.startswith("loss/") and k not in (metrics.LOSS_GRAD_NORM, metrics.LOSS_SKIPPED, metrics.LOSS_RATIO_MEAN) and not k.endswith("_frac"))
     loss = line_chart("losses", [Line(k, run.series[k], PALETTE[i % len(PALETTE)]) for i, k in enumerate(losses)], markers=markers, x_range=x_range, width=440)
-    entropy = line_chart("policy entropy on its own tokens", [Line("tokens/entropy", run.series.get(M.TOKENS_ENTROPY, []), PALETTE[2])], markers=markers, x_range=x_range, y_range=(0.0, None), width=440)
-    tools = line_chart("tools per question (training batch)", [Line("tools/per_question", run.series.get(M.TOOLS_PER_QUESTION, []), PALETTE[4])], markers=markers, x_range=x_range, y_range=(0.0, None), width=440)
+    entropy = line_chart("policy entropy on its own tokens", [Line("tokens/entropy", run.series.get(metrics.TOKENS_ENTROPY, []), PALETTE[2])], markers=markers, x_range=x_range, y_range=(0.0, None), width=440)
+    tools = line_chart("tools per question (training batch)", [Line("tools/per_question", run.series.get(metrics.TOOLS_PER_QUESTION, []), PALETTE[4])], markers=markers, x_range=x_range, y_range=(0.0, None), width=440)
     speed = line_chart(
         "throughput and step time",
-        [Line("rollout/tokens_per_s", run.series.get(M.ROLLOUT_TOKENS_PER_S, []), PALETTE[5]), Line("time/step_s", run.series.get(M.TIME_STEP, []), PALETTE[8], dashed=True)],
+        [Line("rollout/tokens_per_s", run.series.get(metrics.ROLLOUT_TOKENS_PER_S, []), PALETTE[5]), Line("time/step_s", run.series.get(metrics.TIME_STEP, []), PALETTE[8], dashed=True)],
         x_range=x_range, y_range=(0.0, None), width=440,
     )
     return f'<h2>Optimisation and throughput</h2><div class="row">{loss}{entropy}{tools}{speed}</div>'
@@ -656,21 +708,13 @@ def section_eval_questions(run: Run) -> str:
         return '<h2>Dev questions</h2><p class="note">No per-question eval files (eval/step_*.jsonl) yet.</p>'
     step, path = list(run.evals.items())[-1]
     rows, problems = read_jsonl(path)
-    columns = ["task_id", "em", "f1", "cvt", "format_valid", "tools"]
-    extra = sorted({k for r in rows for k in r if k not in columns and isinstance(r[k], (str, int, float, bool))})[:4]
-    head = "".join(f"<th>{esc(c)}</th>" for c in columns + extra)
-    body = []
-    for r in rows[:MAX_EVAL_ROWS]:
-        cells = []
-        for c in columns + extra:
-            v = r.get(c, "")
-            n = _number(v) if not isinstance(v, str) else None
-            cells.append(f"<td>{esc(fmt(n) if n is not None else str(v)[:200])}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    more = f'<p class="note">{len(rows) - MAX_EVAL_ROWS} more questions in {esc(path.name)}.</p>' if len(rows) > MAX_EVAL_ROWS else ""
-    bad = "".join(f'<p class="note">{esc(p)}</p>' for p in problems)
+    columns = [c for c in EVAL_COLUMNS if any(c in r for r in rows)]
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    body = ["<tr>" + "".join(f"<td>{_json_cell(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows[:MAX_EVAL_ROWS]]
+    more = f'<p class="note">{len(rows) - MAX_EVAL_ROWS} more questions in {escape(path.name)}.</p>' if len(rows) > MAX_EVAL_ROWS else ""
+    bad = "".join(f'<p class="note">{escape(p)}</p>' for p in problems)
     return (
-        f"<h2>Dev questions</h2>{bad}<details><summary>per-question results at step {step} ({len(rows)} questions, {esc(path.name)})</summary>"
+        f"<h2>Dev questions</h2>{bad}<details><summary>per-question results at step {step} ({len(rows)} questions, {escape(path.name)})</summary>"
         f'<table class="small"><tr>{head}</tr>{"".join(body)}</table>{more}</details>'
     )
 
@@ -685,15 +729,16 @@ def _tokens_html(token_ids: list[Any], sources: list[Any], pieces: list[str], lo
     sample); control-tag tokens are outlined."""
     labels = token_tag_labels(pieces)
     prompt_end = 0
-    while prompt_end < len(sources) and sources[prompt_end] == 0:
+    while prompt_end < len(sources) and sources[prompt_end] == 0 and not isinstance(sources[prompt_end], bool):
         prompt_end += 1
 
     def span(i: int) -> str:
-        source = sources[i] if sources[i] in SOURCE_NAMES else "x"
-        lp = _number(logprobs[i]) if i < len(logprobs) else None
-        tip = f"#{i} id {token_ids[i]} · {SOURCE_NAMES.get(source, 'unknown source')}" + (f" · logprob {lp:.3f}" if lp is not None and source == 1 else "")
+        raw = sources[i]
+        source = raw if isinstance(raw, int) and not isinstance(raw, bool) and raw in SOURCE_NAMES else "x"
+        logprob = _number(logprobs[i]) if i < len(logprobs) else None
+        tip = f"#{i} id {token_ids[i]} · {SOURCE_NAMES.get(source, 'unknown source')}" + (f" · logprob {logprob:.3f}" if logprob is not None and source == 1 else "")
         tag = " ctl" if labels[i] else ""
-        return f'<span class="s{source}{tag}" title="{esc(tip)}">{esc(pieces[i])}</span>'
+        return f'<span class="s{source}{tag}" title="{escape(tip)}">{escape(pieces[i])}</span>'
 
     out = []
     if prompt_end:
@@ -719,31 +764,31 @@ def _steps_html(steps: Any) -> str:
             rows.append('<tr><td colspan="4" class="note">unreadable step</td></tr>')
             continue
         call = s.get("call") if isinstance(s.get("call"), dict) else {}
-        obs = s.get("observation") if isinstance(s.get("observation"), dict) else {}
+        observation = s.get("observation") if isinstance(s.get("observation"), dict) else {}
         if call.get("error"):
-            call_text = f'<span class="bad">{esc(call.get("error"))}</span><pre>{esc(_clip(call.get("raw", "")))}</pre>'
+            call_text = f'<span class="bad">{escape(call.get("error"))}</span><pre>{escape(_clip(call.get("raw", "")))}</pre>'
         else:
-            call_text = f'<b>{esc(call.get("name", ""))}</b><pre>{esc(_clip(json.dumps(call.get("arguments", {}), ensure_ascii=False, indent=1, default=str)))}</pre>'
-        status = "ok" if obs.get("ok", True) else f'<span class="bad">{esc(obs.get("error") or "failed")}</span>'
-        rows.append(f'<tr><td>{esc(s.get("turn", ""))}</td><td>{call_text}</td><td>{status}</td><td><pre>{esc(_clip(obs.get("text", "")))}</pre></td></tr>')
+            call_text = f'<b>{escape(call.get("name", ""))}</b><pre>{escape(_clip(json.dumps(call.get("arguments", {}), ensure_ascii=False, indent=1, default=str)))}</pre>'
+        status = "ok" if observation.get("ok", True) else f'<span class="bad">{escape(observation.get("error") or "failed")}</span>'
+        rows.append(f'<tr><td>{escape(s.get("turn", ""))}</td><td>{call_text}</td><td>{status}</td><td><pre>{escape(_clip(observation.get("text", "")))}</pre></td></tr>')
     return '<table class="steps"><tr><th>turn</th><th>call</th><th>result</th><th>tool output</th></tr>' + "".join(rows) + "</table>"
 
 
 def trajectory_html(d: Any, where: str, open_: bool = False) -> str:
     """One trajectory (a `Trajectory.to_dict()` plus optional "pieces"), never raising."""
     if not isinstance(d, dict):
-        return f'<p class="note">{esc(where)}: not a trajectory object.</p>'
+        return f'<p class="note">{escape(where)}: not a trajectory object.</p>'
     token_ids, sources = d.get("token_ids"), d.get("sources")
     pieces, logprobs = d.get("pieces"), d.get("logprobs") if isinstance(d.get("logprobs"), list) else []
     reward = _number(d.get("reward"))
     components = d.get("reward_components") if isinstance(d.get("reward_components"), dict) else {}
-    comp = ", ".join(f"{k} {fmt(_number(v))}" for k, v in components.items())
+    components_text = ", ".join(f"{k} {format_number(_number(v))}" for k, v in components.items())
     flags = [f for f in ("finished", "truncated") if d.get(f) is True]
     head = (
-        f'<summary><b>{esc(d.get("task_id", "?"))}</b> · group {esc(d.get("group", "?"))} · reward {esc(fmt(reward))}'
-        + (f" ({esc(comp)})" if comp else "")
-        + (f' · {esc(", ".join(flags))}' if flags else "")
-        + f' · answer: <q>{esc(_clip(d.get("answer"), 200)) if d.get("answer") is not None else "<i>none</i>"}</q></summary>'
+        f'<summary><b>{escape(d.get("task_id", "?"))}</b> · group {escape(d.get("group", "?"))} · reward {escape(format_number(reward))}'
+        + (f" ({escape(components_text)})" if components_text else "")
+        + (f' · {escape(", ".join(flags))}' if flags else "")
+        + f' · answer: <q>{escape(_clip(d.get("answer"), 200)) if d.get("answer") is not None else "<i>none</i>"}</q></summary>'
     )
     body = []
     ok_tokens = isinstance(token_ids, list) and isinstance(sources, list) and len(token_ids) == len(sources)
@@ -754,7 +799,7 @@ def trajectory_html(d: Any, where: str, open_: bool = False) -> str:
         body.append(f'<p class="note">{reason}: showing the assistant turn texts.</p>')
         texts = d.get("turn_texts") if isinstance(d.get("turn_texts"), list) else []
         for i, text in enumerate(texts):
-            body.append(f'<div class="turn"><span class="turnlabel">assistant turn {i}</span><div class="tokens"><span class="s1">{esc(_clip(text))}</span></div></div>')
+            body.append(f'<div class="turn"><span class="turnlabel">assistant turn {i}</span><div class="tokens"><span class="s1">{escape(_clip(text))}</span></div></div>')
         if not texts:
             body.append('<p class="note">No turn texts either.</p>')
     body.append(_steps_html(d.get("steps")))
@@ -763,7 +808,7 @@ def trajectory_html(d: Any, where: str, open_: bool = False) -> str:
 
 def section_samples(run: Run) -> str:
     legend = "".join(
-        f'<label class="s{k}"><input type="checkbox" data-src="{k}" checked> {esc(v)}</label>' for k, v in SOURCE_NAMES.items()
+        f'<label class="s{k}"><input type="checkbox" data-src="{k}" checked> {escape(v)}</label>' for k, v in SOURCE_NAMES.items()
     )
     parts = [f'<h2>Trajectories</h2><p class="legend">Token sources (untick to hide): {legend} <span class="ctl">control tag</span></p>']
     if not run.samples:
@@ -772,14 +817,14 @@ def section_samples(run: Run) -> str:
     files = list(run.samples.items())
     shown = files[-MAX_SAMPLE_FILES:]
     if len(files) > len(shown):
-        parts.append(f'<p class="note">Older sample files not shown: {esc(", ".join(p.name for _, p in files[: -len(shown)]))}.</p>')
+        parts.append(f'<p class="note">Older sample files not shown: {escape(", ".join(p.name for _, p in files[: -len(shown)]))}.</p>')
     for k, (step, path) in enumerate(reversed(shown)):
         rows, problems = read_jsonl(path)
-        inner = "".join(f'<p class="note">{esc(p)}</p>' for p in problems)
+        inner = "".join(f'<p class="note">{escape(p)}</p>' for p in problems)
         # The first trajectory of the latest file starts unfolded: the viewer is visible at a glance.
         inner += "".join(trajectory_html(r, f"{path.name}:{i + 1}", open_=(k == 0 and i == 0)) for i, r in enumerate(rows[:MAX_TRAJECTORIES]))
         if len(rows) > MAX_TRAJECTORIES:
-            inner += f'<p class="note">{len(rows) - MAX_TRAJECTORIES} more trajectories in {esc(path.name)}.</p>'
+            inner += f'<p class="note">{len(rows) - MAX_TRAJECTORIES} more trajectories in {escape(path.name)}.</p>'
         if not rows:
             inner += '<p class="note">No readable trajectories in this file.</p>'
         parts.append(f'<details class="samplefile"{" open" if k == 0 else ""}><summary>step {step} · {len(rows)} trajectories</summary>{inner}</details>')
@@ -789,11 +834,11 @@ def section_samples(run: Run) -> str:
 def section_config(run: Run) -> str:
     parts = []
     if run.problems:
-        parts.append("<h2>Data problems</h2><ul>" + "".join(f"<li>{esc(p)}</li>" for p in run.problems[:50]) + "</ul>")
+        parts.append("<h2>Data problems</h2><ul>" + "".join(f"<li>{escape(p)}</li>" for p in run.problems[:50]) + "</ul>")
         if len(run.problems) > 50:
             parts.append(f'<p class="note">{len(run.problems) - 50} more.</p>')
     if run.config_text:
-        parts.append(f"<details><summary>config.yaml</summary><pre>{esc(run.config_text)}</pre></details>")
+        parts.append(f"<details><summary>config.yaml</summary><pre>{escape(run.config_text)}</pre></details>")
     else:
         parts.append('<p class="note">No config.yaml in this run directory.</p>')
     return "".join(parts)
@@ -848,8 +893,8 @@ def page(title: str, body: str) -> str:
     """A complete HTML document around `body` (already-escaped markup)."""
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f'<meta http-equiv="Content-Security-Policy" content="{esc(content_security_policy())}">'
-        f'<meta name="viewport" content="width=device-width,initial-scale=1"><title>{esc(title)}</title>'
+        f'<meta http-equiv="Content-Security-Policy" content="{escape(content_security_policy())}">'
+        f'<meta name="viewport" content="width=device-width,initial-scale=1"><title>{escape(title)}</title>'
         f"<style>{STYLE}</style></head><body>{body}<script>{SCRIPT}</script></body></html>\n"
     )
 
@@ -857,8 +902,8 @@ def page(title: str, body: str) -> str:
 def render_report(run: Run) -> str:
     """The report page of a loaded run, as a string."""
     sections = [
-        f"<h1>Keel run: {esc(run.name)}</h1>",
-        f'<p class="note">{esc(run.directory.resolve())}</p>',
+        f"<h1>Keel run: {escape(run.name)}</h1>",
+        f'<p class="note">{escape(run.directory.resolve())}</p>',
         section_summary(run),
         section_verdict(run),
         section_eval(run),

@@ -12,10 +12,11 @@ Each stored policy token carries the log-prob it was sampled with (temperature-s
 distribution); `tests/test_rollout.py` checks that one plain forward pass over the stored ids
 reproduces them (max abs diff ≤ 1e-4, fp32).
 
-Why prompts are prefilled one at a time: left-padding a batched prefill leaves the first pad
-positions with no visible key; SDPA then produces NaN hidden states that leak through the
-cache (0 weight × NaN value = NaN). Prefilling each distinct prompt alone (group members share
-it) and zero-padding the cache on the left keeps every masked K/V finite.
+Why prompts are not simply left-padded: the first pad positions of a left-padded prefill have
+no visible key; SDPA then produces NaN hidden states that leak through the cache (0 weight ×
+NaN value = NaN). Keel encodes the prompts' shared prefix once (the system block, most of a
+prompt) and appends the ragged remainders as a block whose holes can see that prefix; with
+no shared prefix it prefills each distinct prompt alone and zero-pads the cache.
 """
 
 from __future__ import annotations
@@ -89,10 +90,41 @@ def _forward(model, input_ids, attn, positions, cache):
 
 
 def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, object, torch.Tensor]:
-    """Prefill each distinct prompt alone and merge into one left-zero-padded batched cache.
+    """Encode the prompts into one batched KV cache.
 
-    Returns (last logits [B, V], cache with length L = max prompt length, attention mask [B, L]).
+    Returns (last logits [B, V], cache, attention mask [B, L]). Prompts of one run share a long
+    prefix (system block with the tool schemas, ~600 tokens for the KG env): it is encoded once
+    and the cache is repeated over the batch; the ragged remainders (the questions) then go in
+    as one right-aligned block. Without a shared prefix, each distinct prompt is encoded alone.
     """
+    B = len(prompts)
+    min_len = min(len(p) for p in prompts)
+    lcp = 0
+    first = prompts[0]
+    while lcp < min_len - 1 and all(p[lcp] == first[lcp] for p in prompts):
+        lcp += 1
+    if lcp == 0:
+        return _prefill_each(model, prompts, device)
+    out = model(input_ids=torch.tensor([first[:lcp]], device=device), use_cache=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(B)
+    rest = [p[lcp:] for p in prompts]
+    width = max(len(r) for r in rest)
+    feed = torch.zeros(B, width, dtype=torch.long, device=device)
+    block = torch.zeros(B, width, dtype=torch.long, device=device)
+    positions = torch.zeros(B, width, dtype=torch.long, device=device)
+    for i, r in enumerate(rest):
+        # left holes can see the shared prefix, so no query is fully masked (no NaN)
+        feed[i, width - len(r) :] = torch.tensor(r, device=device)
+        block[i, width - len(r) :] = 1
+        positions[i, width - len(r) :] = torch.arange(lcp, lcp + len(r), device=device)
+    attn = torch.cat([torch.ones(B, lcp, dtype=torch.long, device=device), block], dim=1)
+    logits, cache = _forward(model, feed, attn, positions, cache)
+    return logits, cache, attn
+
+
+def _prefill_each(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, object, torch.Tensor]:
+    """Prefill each distinct prompt alone and merge into one left-zero-padded batched cache."""
     from transformers import DynamicCache
 
     distinct: dict[tuple[int, ...], int] = {}

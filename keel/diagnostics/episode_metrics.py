@@ -83,14 +83,16 @@ def episode_record(traj: Trajectory, task: Task) -> dict[str, Any]:
 
 
 def _mean(records: list[dict[str, Any]], key: str) -> float:
-    return sum(float(r[key]) for r in records) / len(records)
+    """Mean over the records that have `key` (older or hand-made eval files may lack fields); NaN if none."""
+    values = [float(r[key]) for r in records if r.get(key) is not None]
+    return sum(values) / len(values) if values else float("nan")
 
 
 def eval_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
     """Means of episode records under the `eval/...` names; {} for no records."""
     if not records:
         return {}
-    return {
+    out = {
         EVAL_EM: _mean(records, "em"),
         EVAL_F1: _mean(records, "f1"),
         EVAL_FORMAT_VALID: _mean(records, "format_valid"),
@@ -99,6 +101,7 @@ def eval_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
         EVAL_CVT: _mean(records, "cvt"),
         EVAL_N: float(len(records)),
     }
+    return {key: v for key, v in out.items() if v == v}  # a field no record has is left out, not NaN
 
 
 def tool_metrics(records: list[dict[str, Any]]) -> dict[str, float]:

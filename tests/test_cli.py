@@ -1,0 +1,114 @@
+"""The real `keel` CLI: the smoke preset end to end, and one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+KEEL = [sys.executable, "-m", "keel.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def keel(*args, timeout=300):
+    return subprocess.run([*KEEL, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def test_smoke_preset_runs_the_whole_loop_under_60s(tmp_path):
+    out = tmp_path / "run"
+    t0 = time.time()
+    r = keel("train", "configs/smoke.yaml", "--out", str(out))
+    elapsed = time.time() - t0
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert elapsed < 60, f"smoke run took {elapsed:.1f}s"
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "report.html"):
+        assert (out / name).exists(), name
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    phases = [x["phase"] for x in lines]
+    assert phases.count("sft") == 2 and phases.count("rl") == 2 and "eval" in phases
+    rl = [x for x in lines if x["phase"] == "rl"]
+    for key in ("reward/mean", "reward/std", "loss/policy", "loss/kl", "kl/mean", "tools/per_question", "rollout/tokens_per_s"):
+        assert key in rl[0], key
+    assert "eval/em" in rl[-1] and "eval/format_valid" in rl[-1] and "eval/tools_per_question" in rl[-1]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s"):
+        assert key in summary
+    assert (out / "checkpoints" / "latest" / "model.safetensors").exists()
+    assert (out / "checkpoints" / "latest" / "trainer_state.json").exists()
+    assert list((out / "samples").glob("step_*.jsonl")) and list((out / "eval").glob("step_*.jsonl"))
+    # the resolved config is complete and reloads to the same values
+    from keel.config import load_config
+
+    cfg = load_config(out / "config.yaml")
+    assert cfg.model.name == "tiny" and cfg.grpo.steps == 2
+
+
+def test_existing_run_directory_is_refused_and_untouched(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    r = keel("train", "configs/smoke.yaml", "--out", str(out))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1].startswith("keel: error: run directory") and "already exists" in r.stderr
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "configs/smoke.yaml", "--set", "grpo.klcoef=1"], "unknown config key 'grpo.klcoef'"),
+        (["train", "configs/nosuch.yaml"], "config file not found"),
+        (["train", "configs/smoke.yaml", "--set", "data.source=files", "--set", "data.kb=/nonexistent/kb.tsv", "--set", "data.train=/nonexistent/q.jsonl"], "data.kb: file not found"),
+        (["train", "configs/smoke.yaml", "--set", "reward.name=nope"], "unknown reward 'nope'"),
+        (["eval", "--env", "kg", "--data", "/nonexistent.jsonl", "--kb", "x", "--policy", "oracle", "--out", "OUT"], "--data not found"),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_no_directory(tmp_path, args, message):
+    out = tmp_path / "run"
+    args = [a.replace("OUT", str(out)) for a in args]
+    if args[0] == "train":
+        args += ["--out", str(out)]
+    r = keel(*args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("keel: error:") and message in last, last
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_eval_oracle_and_null_on_pathquestion(tmp_path):
+    data = REPO.parent / "shared" / "data" / "kg" / "pathquestion"
+    if not data.exists():
+        pytest.skip("shared PathQuestion data not present")
+    r = keel("eval", "--env", "kg", "--data", str(data / "PQ-2H.txt"), "--kb", str(data / "2H-kb.txt"), "--policy", "oracle", "--limit", "200", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert s["eval/em"] == 1.0 and s["n"] == 200 and s["eval/tools_per_question"] >= 2.0  # 2 hops; a hop that branches costs more calls
+    assert len((tmp_path / "o" / "results.jsonl").read_text().splitlines()) == 200
+    r = keel("eval", "--env", "kg", "--data", str(data / "PQ-2H.txt"), "--kb", str(data / "2H-kb.txt"), "--policy", "null", "--limit", "50", "--out", str(tmp_path / "n"))
+    s = json.loads((tmp_path / "n" / "summary.json").read_text())
+    assert s["eval/em"] == 0.0 and s["eval/tools_per_question"] == 0.0
+
+
+def test_data_generator_cli_is_deterministic(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        r = keel("data", "kg-synth", "--out", str(d), "--seed", "7", "--train", "50", "--dev", "10", "--test", "10")
+        assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("kb.tsv", "train.jsonl", "dev.jsonl", "test.jsonl", "meta.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    r = keel("data", "check", "--data", str(a))
+    assert r.returncode == 0 and json.loads(r.stdout)["oracle"]["eval/em"] == 1.0
+
+
+def test_help_explains_each_command():
+    r = keel("--help")
+    assert r.returncode == 0
+    for cmd in ("train", "eval", "data", "diagnose", "report", "compare"):
+        assert cmd in r.stdout
+    r = keel("train", "--help")
+    assert "--smoke" in r.stdout and "--set" in r.stdout

@@ -1,0 +1,60 @@
+"""Config tree: presets, typed overrides, one-line errors naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from keel.config import ConfigError, describe, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_defaults_and_override_types():
+    cfg = load_config(None, ["grpo.lr=3e-6", "rollout.group_size=8", "grpo.scale_by_std=false", "grpo.clip_high=1"])
+    assert cfg.grpo.lr == 3e-6 and cfg.rollout.group_size == 8 and cfg.grpo.scale_by_std is False
+    assert isinstance(cfg.grpo.clip_high, float) and cfg.grpo.clip_high == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("grpo.klcoef=0.1", "unknown config key 'grpo.klcoef'"),
+        ("nosuch.section=1", "unknown config key 'nosuch'"),
+        ("rollout.group_size=two", "rollout.group_size' expects an integer"),
+        ("grpo.scale_by_std=3", "grpo.scale_by_std' expects true/false"),
+        ("grpo=1", "is a section"),
+        ("grpo.kl_estimator=k2", "grpo.kl_estimator must be k1 or k3"),
+        ("novalue", "not of the form key=value"),
+    ],
+)
+def test_bad_overrides_are_one_line_errors(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_preset_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("grpo:\n  learning_rate: 1.0e-6\n")
+    with pytest.raises(ConfigError, match=r"unknown\.yaml: unknown config key 'grpo.learning_rate'"):
+        load_config(unknown)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_preset_loads_and_smoke_shrinks_it(preset):
+    cfg = load_config(CONFIGS / preset)
+    smoke = load_config(CONFIGS / preset, smoke=True)
+    assert smoke.model.name == "tiny" and smoke.grpo.steps <= 2 and smoke.rollout.prompts_per_step <= 2
+    assert cfg.grpo.steps >= smoke.grpo.steps
+
+
+def test_preset_by_name_and_describe():
+    assert load_config("smoke").model.name == "tiny"
+    text = describe()
+    assert "grpo.kl_coef" in text and "coefficient of the KL" in text
