@@ -51,6 +51,7 @@ class DataConfig:
 
 @dataclass
 class EnvConfig:
+    kind: str = doc("kg", "kg (paper B's four verbs over a triple store) | fc_learn (paper A's function calling: templated multi-turn requests over BFCL's simulators, checker reward)")
     informative_errors: bool = doc(False, "L_sig: failed queries say why ('ERROR: ...') instead of a silent []")
     max_items: int = doc(30, "longest list a verb returns; the rest is summarised as a count")
     list_relations: bool = doc(True, "list the KG's relation names in the system prompt (paper B: False)")
@@ -313,6 +314,7 @@ def validate(cfg: Config) -> None:
         (cfg.grpo.loss_aggregation in ("token-mean", "seq-mean-token-mean"), f"grpo.loss_aggregation must be token-mean or seq-mean-token-mean, got {cfg.grpo.loss_aggregation!r}"),
         (cfg.rollout.dtype in ("float32", "bfloat16"), f"rollout.dtype must be float32 or bfloat16, got {cfg.rollout.dtype!r}"),
         (cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}"),
+        (cfg.env.kind in ("kg", "fc_learn"), f"env.kind must be kg or fc_learn, got {cfg.env.kind!r}"),
         (cfg.data.source in ("synthetic", "files", "dir"), f"data.source must be synthetic, files or dir, got {cfg.data.source!r}"),
         (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),
         (cfg.eval.every >= 1, "eval.every must be ≥ 1"),

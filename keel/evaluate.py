@@ -18,6 +18,17 @@ from keel.rollout import SamplingParams, rollout
 from keel.types import Env, Task, Trajectory
 
 
+def _record(tr: Trajectory, task: Task) -> dict[str, Any]:
+    """episode_record, plus: for function-calling tasks (no answer string; the BFCL checker
+    judges the whole conversation) `em` is the checker's verdict, so eval/em reads as exact
+    success in both task families."""
+    row = episode_record(tr, task)
+    if "checker_valid" in tr.info:
+        row["checker_valid"] = bool(tr.info["checker_valid"])
+        row["em"] = float(row["checker_valid"])
+    return row
+
+
 def evaluate_model(
     model,
     tokenizer,
@@ -34,7 +45,7 @@ def evaluate_model(
         chunk = list(tasks[s : s + batch_size])
         out = rollout(model, tokenizer, env, chunk, params, generator=torch.Generator().manual_seed(0))
         for task, tr in zip(chunk, out):
-            rows.append(episode_record(tr, task))
+            rows.append(_record(tr, task))
             trajs.append(tr)
         if progress:
             progress(len(chunk))
@@ -46,5 +57,5 @@ def evaluate_text_policy(env: Env, tasks: Sequence[Task], policy, max_turns: int
     rows = []
     for task in tasks:
         ep = run_text_episode(env, task, policy, max_turns)
-        rows.append(episode_record(ep.to_trajectory(), task))
+        rows.append(_record(ep.to_trajectory(), task))
     return eval_metrics(rows), rows

@@ -25,10 +25,25 @@ from keel.types import Env, Source, Task, Trajectory
 
 
 def gold_turn_texts(task: Task) -> list[str]:
-    """Assistant texts of the gold trajectory: `meta["gold_texts"]` when a loader wrote full
-    texts, else one turn per `gold_turns` entry (its calls) plus a final `<answer>` turn."""
+    """Assistant texts of the gold trajectory.
+
+    - `meta["gold_texts"]` when a loader wrote full texts;
+    - function calling (BFCL layout, `meta["ground_truth"]`): per user turn, one message with
+      all its gold calls and then a closing message without calls (a turn whose gold is `[]`
+      is answered in prose) — exactly what `keel.fc.policies.make_oracle` sends;
+    - KG: one turn per `gold_turns` entry (its calls) plus a final `<answer>` turn.
+    """
     if task.meta.get("gold_texts"):
         return list(task.meta["gold_texts"])
+    if "ground_truth" in task.meta:
+        from keel.fc.policies import DONE_TEXT
+
+        texts = []
+        for calls in task.gold_turns:
+            if calls:
+                texts.append(render_assistant_calls(calls))
+            texts.append(task.meta.get("gold_text") or DONE_TEXT)
+        return texts
     texts = [render_assistant_calls(calls) for calls in task.gold_turns if calls]
     texts.append(f"<answer>{task.answers[0]}</answer>")
     return texts
@@ -72,7 +87,8 @@ def gold_trajectory(tokenizer, env: Env, task: Task, source: int = Source.EXPERT
     finally:
         episode.close()
     tr.token_ids, tr.sources, tr.logprobs = ids, [int(s) for s in sources], logprobs
-    tr.info["gold_ok"] = gold_ok
+    tr.info.update(getattr(episode, "info", None) or {})  # e.g. BFCL's checker_valid
+    tr.info["gold_ok"] = gold_ok and tr.info.get("checker_valid", True)
     return tr
 
 

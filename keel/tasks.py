@@ -37,6 +37,8 @@ def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], li
     dir: a dataset directory (kb.tsv + train.jsonl + dev.jsonl) from `keel data kg-synth`.
     files: a triples file plus question files in any supported format.
     """
+    if cfg.env.kind == "fc_learn":
+        return _build_fc_learn(cfg)
     from keel.kg.env import KGEnv
     from keel.kg.loaders import load_store, load_tasks
 
@@ -82,3 +84,13 @@ def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], li
         train = [env.translate_gold(t) for t in train]
         dev = [env.translate_gold(t) for t in dev]
     return env, train, dev
+
+
+def _build_fc_learn(cfg: Config) -> tuple[Env, list[Task], list[Task]]:
+    """Paper A's setting at CPU scale: seeded templated requests over BFCL's own simulators
+    (keel.fc.learnable), scored by BFCL's multi-turn checker (reward fc_binary)."""
+    from keel.fc.learnable import LearnableEnv, generate_tasks
+
+    d = cfg.data
+    tasks = generate_tasks(d.n_train + d.n_dev, seed=d.seed)
+    return LearnableEnv(), tasks[: d.n_train], tasks[d.n_train :]
