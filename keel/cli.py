@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one config key (type-checked), e.g. --set grpo.lr=1e-6; repeatable")
     t.add_argument("--out", help="run directory to create (must not exist or be empty); default: <run.out>/<preset>-<n>")
     t.add_argument("--smoke", action="store_true", help="shrink the preset to the tiny model and a minimal budget, to check it runs in seconds")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from checkpoints/latest (its config.yaml; --set may extend it, e.g. grpo.steps)")
     t.add_argument("--help-config", action="store_true", help="print every config key with its default and documentation")
 
     e = sub.add_parser("eval", help="evaluate a policy (model dir, 'smollm2', 'oracle', 'null') on KG, BFCL or ACEBench tasks",
@@ -101,6 +102,19 @@ def _train(args) -> int:
 
     if args.help_config:
         print(describe())
+        return 0
+    if args.resume:
+        run = Path(args.resume)
+        if not (run / "config.yaml").exists():
+            raise FileNotFoundError(f"--resume {run}: no config.yaml (not a Keel run directory)")
+        if args.config or args.smoke or args.out:
+            raise ValueError("--resume takes the run's own config.yaml; do not also give a preset, --smoke or --out")
+        cfg = load_config(run / "config.yaml", args.overrides)
+        from keel.train import train
+
+        summary = train(cfg, run, resume=True)
+        print(json.dumps({k: summary[k] for k in ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s") if k in summary}, indent=2))
+        print(f"[keel] run directory: {run}")
         return 0
     if not args.config:
         raise ValueError("train: give a config preset, e.g. `keel train configs/main.yaml` (see --help)")

@@ -101,3 +101,6 @@ NONDETERMINISTIC_PREFIXES = ("time/", "mem/", "rollout/tokens_per_s")
 # tokens/ (keel.diagnostics.telemetry.ControlFrequencyBaseline)
 TOKENS_CONTROL_FREQ_RATIO_PREFIX = "tokens/freq_ratio/"  # + tag: (policy + 0.1) / (reference + 0.1) occurrences per trajectory
 TOKENS_CONTROL_FREQ_MAX_RATIO = "tokens/freq_max_ratio"  # largest of those ratios
+# signal/ (keel.signals)
+SIGNAL_REFLECTION_ERRORS = "signal/reflection_errors"  # analyzer calls that failed (endpoint errors) at this step
+SIGNAL_PHASE = "signal/phase_steps"  # optimizer steps of the interleaved supervision phase run after this RL step

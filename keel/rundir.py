@@ -117,9 +117,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def truncate_jsonl_after(path: Path, step: int) -> None:
-    """Drop lines with "step" > step (used on resume: metrics after the checkpoint are redone)."""
-    rows = [r for r in read_jsonl(path) if r.get("step", -1) <= step]
+def truncate_jsonl_lines(path: Path, n: int) -> None:
+    """Keep the first n complete lines (on resume, lines written after the checkpoint are redone)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    rows = read_jsonl(path)[:n]
     write_jsonl(path, rows)
 
 

@@ -51,7 +51,10 @@ def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], li
             import tempfile
 
             target = Path(tempfile.mkdtemp(prefix="keel-synth-"))
-        generate(target, seed=d.seed, train=d.n_train, dev=d.n_dev, test=d.n_test)
+        # a resumed run finds its data already there (the generator is deterministic; meta.json
+        # is written last, so a directory without it is a torn write and is regenerated)
+        if not (target / "meta.json").exists():
+            generate(target, seed=d.seed, train=d.n_train, dev=d.n_dev, test=d.n_test, overwrite=True)
         data_dir = target
     elif d.source == "dir":
         data_dir = _need(d.dir, "data.dir")

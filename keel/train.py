@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import asdict, dataclass, field
 import math
 import os
 import random
@@ -33,7 +34,7 @@ from keel.logprobs import collate, token_logprobs
 from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate, sft_loss
 from keel.models import DTYPES, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
-from keel.rundir import append_jsonl, atomic_write_json, atomic_write_text, create_run_dir, swap_dir, write_jsonl
+from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, create_run_dir, swap_dir, truncate_jsonl_lines, write_jsonl
 from keel.sft import SFTExample, collate_sft, decompose, gold_trajectory
 from keel.types import Source, Task, Trajectory
 
@@ -202,7 +203,7 @@ def grpo_update(
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, Any]) -> None:
+def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
     """Write into a temp dir and swap it in: a kill mid-write leaves the previous one intact."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -215,183 +216,371 @@ def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, An
     tokenizer.save_pretrained(str(tmp))
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    atomic_write_json(tmp / "trainer_state.json", state)
+    for name, obj in (extra or {}).items():
+        torch.save(obj, tmp / name)
+    atomic_write_json(tmp / "trainer_state.json", state)  # written last: its presence marks a complete checkpoint
     swap_dir(tmp, path)
+
+
+def complete_checkpoint(path: Path) -> Path | None:
+    """The usable checkpoint at `path`: itself if complete (trainer_state.json is written last),
+    else the `.old` copy a kill between swap_dir's two renames leaves behind (moved back)."""
+    if (path / "trainer_state.json").exists():
+        return path
+    old = path.with_name(path.name + ".old")
+    if (old / "trainer_state.json").exists():
+        if path.exists():
+            import shutil
+
+            shutil.rmtree(path)
+        os.replace(old, path)
+        return path
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
-def train(cfg: Config, out_dir: Path) -> dict[str, Any]:
-    """Run the whole job into the new directory `out_dir`; returns summary.json's content."""
-    t_start = time.time()
-    run = create_run_dir(Path(out_dir))
-    atomic_write_text(run / "config.yaml", dump_yaml(cfg))
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    random.seed(cfg.run.seed)
-    torch.manual_seed(cfg.run.seed)
-    rng = random.Random(cfg.run.seed)
-    gen = torch.Generator().manual_seed(cfg.run.seed)
+@dataclass
+class Progress:
+    """Everything besides tensors that a resumed run needs to continue exactly (saved as JSON)."""
 
-    from keel import tasks as task_builder
-    from keel.rewards import REWARDS
+    step: int = 0  # global step: SFT steps, then RL steps
+    phase: str = "start"  # start → sft → rl → done
+    sft_done: int = 0
+    rl_done: int = 0
+    sft_order: list[int] = field(default_factory=list)  # remaining example indices of the current SFT epoch
+    rl_order: list[int] = field(default_factory=list)  # remaining task indices of the current RL epoch
+    peak: dict[str, Any] = field(default_factory=lambda: {"step": None, M.EVAL_EM: -1.0})
+    last_eval: dict[str, float] | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+    metrics_lines: int = 0  # lines of metrics.jsonl / alerts.jsonl covered by this state
+    alerts_lines: int = 0
+    config_changes: dict[str, Any] = field(default_factory=dict)  # applied by rollback alerts
 
-    if cfg.reward.name not in REWARDS:
-        raise ValueError(f"reward.name: unknown reward {cfg.reward.name!r} (known: {', '.join(sorted(REWARDS))})")
-    reward_fn = REWARDS[cfg.reward.name]
+
+class Interrupted:
+    """SIGINT sets the flag; the loop finishes its step, checkpoints and exits cleanly."""
+
+    def __init__(self):
+        self.flag = False
+        self._old = None
+
+    def __enter__(self):
+        import signal
+
+        def handler(signum, frame):
+            if self.flag:  # a second Ctrl-C aborts at once
+                raise KeyboardInterrupt
+            self.flag = True
+            print("\n[keel] interrupt: finishing this step, then checkpointing (Ctrl-C again to abort)", flush=True)
+
+        try:
+            self._old = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not in the main thread
+            self._old = None
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
+
+
+def train(cfg: Config, out_dir: Path, resume: bool = False) -> dict[str, Any]:
+    """Run the whole job into the new directory `out_dir` (or continue it with `resume`);
+    returns summary.json's content."""
     from keel.config import to_dict
-    from keel.diagnostics.detectors import Detectors
-    from keel.diagnostics.episode_metrics import episode_record, tool_metrics
-    from keel.diagnostics.states import structural_shares
-    from keel.diagnostics.telemetry import ControlFrequencyBaseline, control_tag_frequency
+    from keel.rewards import REWARDS
     from keel.trackers import make_tracker
 
+    out_dir = Path(out_dir)
+    if resume:
+        if complete_checkpoint(out_dir / "checkpoints" / "latest") is None:
+            raise RunDirError(f"--resume {out_dir}: no complete checkpoints/latest to resume from")
+        run = out_dir
+    else:
+        run = create_run_dir(out_dir)
+        atomic_write_text(run / "config.yaml", dump_yaml(cfg))
+    if cfg.reward.name not in REWARDS:
+        raise ValueError(f"reward.name: unknown reward {cfg.reward.name!r} (known: {', '.join(sorted(REWARDS))})")
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
     tracker = make_tracker(cfg.report_to, run, config=to_dict(cfg), run_name=run.name)  # fails here, before training, if a package is missing
     try:
-        return _train(cfg, run, t_start, rng, gen, reward_fn, tracker, Detectors(cfg.detectors), ControlFrequencyBaseline(),
-                      episode_record, tool_metrics, structural_shares, control_tag_frequency)
+        with Interrupted() as interrupted:
+            return Trainer(cfg, run, REWARDS[cfg.reward.name], tracker, interrupted).run(resume)
     finally:
         tracker.close()
 
 
-def _train(cfg, run, t_start, rng, gen, reward_fn, tracker, detectors, freq_baseline,
-           episode_record, tool_metrics, structural_shares, control_tag_frequency) -> dict[str, Any]:
-    from keel import tasks as task_builder
+class Trainer:
+    """Holds the run's objects; `run()` is the loop, top to bottom. Not a base class: a
+    supervision signal changes what goes into the losses, not this structure."""
 
-    device = resolve_device(cfg.model.device)
-    model, tok = load_model(cfg.model.name, cfg.model.dtype, cfg.run.seed, device)
-    env, train_tasks, dev_tasks = task_builder.build(cfg, run)
-    pad_id = tok.pad_token_id
-    pieces = PieceCache(tok)
-    dev = dev_tasks[: cfg.eval.n_dev]
-    tasks_by_id = {t.id: t for t in train_tasks + dev}
-    show = cfg.run.progress
-    summary: dict[str, Any] = {"run_dir": str(run), "model": cfg.model.name, "n_train": len(train_tasks), "n_dev_eval": len(dev)}
-    step = 0
-    peak = {"step": None, M.EVAL_EM: -1.0}
+    def __init__(self, cfg: Config, run: Path, reward_fn, tracker, interrupted: Interrupted):
+        from keel import tasks as task_builder
+        from keel.diagnostics.detectors import Detectors
+        from keel.diagnostics.telemetry import ControlFrequencyBaseline
 
-    def log(line: dict[str, Any]) -> None:
-        line = {M.STEP: step, **line, M.TIME_WALL: time.time() - t_start, M.MEM_PEAK_RSS: _peak_rss_mb()}
-        append_jsonl(run / "metrics.jsonl", line)
-        tracker.log(step, {k: v for k, v in line.items() if isinstance(v, (int, float)) and k != M.STEP})
+        self.cfg, self.run_dir, self.reward_fn, self.tracker, self.interrupted = cfg, run, reward_fn, tracker, interrupted
+        self.t_start = time.time()
+        random.seed(cfg.run.seed)
+        torch.manual_seed(cfg.run.seed)
+        self.rng = random.Random(cfg.run.seed)
+        self.gen = torch.Generator().manual_seed(cfg.run.seed)
+        device = resolve_device(cfg.model.device)
+        self.model, self.tok = load_model(cfg.model.name, cfg.model.dtype, cfg.run.seed, device)
+        self.env, self.train_tasks, dev_tasks = task_builder.build(cfg, run)
+        self.dev = dev_tasks[: cfg.eval.n_dev]
+        self.tasks_by_id = {t.id: t for t in self.train_tasks + self.dev}
+        self.pad_id = self.tok.pad_token_id
+        self.pieces = PieceCache(self.tok)
+        self.detectors = Detectors(cfg.detectors)
+        self.freq_baseline = ControlFrequencyBaseline()
+        self.p = Progress(summary={"run_dir": str(run), "model": cfg.model.name, "n_train": len(self.train_tasks), "n_dev_eval": len(self.dev)})
+        self.sampler = self.model
+        if cfg.rollout.dtype != cfg.model.dtype:
+            self.sampler = copy.deepcopy(self.model).to(DTYPES[cfg.rollout.dtype]).eval()
+            for q in self.sampler.parameters():
+                q.requires_grad_(False)
+        self.ref_model = None
+        self.opt = None
+        self.sched = None
 
-    def refresh_report() -> None:
+    # ---- small services -------------------------------------------------------------------
+    def log(self, line: dict[str, Any]) -> None:
+        line = {M.STEP: self.p.step, **line, M.TIME_WALL: time.time() - self.t_start, M.MEM_PEAK_RSS: _peak_rss_mb()}
+        append_jsonl(self.run_dir / "metrics.jsonl", line)
+        self.p.metrics_lines += 1
+        self.tracker.log(self.p.step, {k: v for k, v in line.items() if isinstance(v, (int, float)) and k != M.STEP})
+
+    def refresh_report(self) -> None:
         try:  # the report is a view; failing to draw it must not stop training
             from keel.report import write_report
 
-            write_report(run)
+            write_report(self.run_dir)
         except Exception as exc:
             print(f"[keel] warning: report not written: {type(exc).__name__}: {exc}", flush=True)
 
-    sampler = model
-    if cfg.rollout.dtype != cfg.model.dtype:
-        sampler = copy.deepcopy(model).to(DTYPES[cfg.rollout.dtype]).eval()
-        for p in sampler.parameters():
-            p.requires_grad_(False)
-
-    def sync_sampler() -> None:
-        if sampler is not model:
+    def sync_sampler(self) -> None:
+        if self.sampler is not self.model:
             with torch.no_grad():
-                for ps, pm in zip(sampler.parameters(), model.parameters()):
+                for ps, pm in zip(self.sampler.parameters(), self.model.parameters()):
                     ps.copy_(pm)
 
-    def run_eval(label: str) -> dict[str, float]:
+    def make_optimizer(self, lr: float, warmup: int, weight_decay: float = 0.0) -> None:
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(warmup))
+
+    def make_reference(self) -> None:
+        """The frozen reference: the policy as RL starts. Kept even at kl_coef 0, because the
+        per-token KL telemetry (which tokens drift) reads it."""
+        self.ref_model = copy.deepcopy(self.model).eval()
+        for q in self.ref_model.parameters():
+            q.requires_grad_(False)
+
+    def evaluate(self, label: str) -> dict[str, float]:
+        cfg = self.cfg
         params = SamplingParams(temperature=1.0, greedy=True, max_turns=cfg.rollout.max_turns,
                                 max_new_tokens=cfg.eval.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
-        bar = _progress(len(dev), f"eval ({label})", show)
-        means, rows, trajs = evaluate_model(sampler, tok, env, dev, params, cfg.eval.batch_size, progress=bar.update)
+        bar = _progress(len(self.dev), f"eval ({label})", cfg.run.progress)
+        means, rows, trajs = evaluate_model(self.sampler, self.tok, self.env, self.dev, params, cfg.eval.batch_size, progress=bar.update)
         bar.close()
-        write_jsonl(run / "eval" / f"step_{step:06d}.jsonl", [{**r, "label": label} for r in rows])
-        write_jsonl(run / "samples" / f"step_{step:06d}.jsonl",
-                    [{**tr.to_dict(), "pieces": pieces(tr.token_ids), "question": tasks_by_id[tr.task_id].question, "label": label}
+        step = self.p.step
+        write_jsonl(self.run_dir / "eval" / f"step_{step:06d}.jsonl", [{**r, "label": label} for r in rows])
+        write_jsonl(self.run_dir / "samples" / f"step_{step:06d}.jsonl",
+                    [{**tr.to_dict(), "pieces": self.pieces(tr.token_ids), "question": self.tasks_by_id[tr.task_id].question, "label": label}
                      for tr in trajs[: cfg.eval.samples]])
         print(f"[keel] step {step} eval ({label}): EM {means[M.EVAL_EM]:.3f}  F1 {means[M.EVAL_F1]:.3f}  "
               f"format-valid {means[M.EVAL_FORMAT_VALID]:.3f}  tools/q {means[M.EVAL_TOOLS_PER_QUESTION]:.2f}", flush=True)
         return means
 
-    # ---- 1. the untrained model ----
-    if cfg.eval.before_sft:
-        means = run_eval("before_sft")
-        summary["eval_before_sft"] = means
-        log({M.PHASE: "eval", **means})
+    def next_batch(self, order: list[int], n: int, pool: int) -> list[int]:
+        """n indices from a shuffled epoch order, reshuffling when an epoch ends (order is Progress state)."""
+        out = []
+        while len(out) < n:
+            if not order:
+                order.extend(range(pool))
+                self.rng.shuffle(order)
+            out.append(order.pop())
+        return out
 
-    # ---- 2. SFT warm-start on gold trajectories (single-step decomposition) ----
-    if cfg.sft.enabled and cfg.sft.steps > 0:
-        golds = [gold_trajectory(tok, env, t) for t in train_tasks]
+    # ---- checkpoints ----------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """checkpoints/latest: weights, optimizer, scheduler, RNG states, detectors, progress."""
+        if not self.cfg.run.save_checkpoints:
+            return
+        p = self.p
+        state = {
+            "progress": asdict(p),
+            "rng": _rng_to_json(self.rng.getstate()),
+            "detectors": self.detectors.state_dict(),
+            "freq_baseline": self.freq_baseline.state_dict(),
+            "scheduler": self.sched.state_dict() if self.sched is not None else None,
+            "step": p.step,
+        }
+        extra = {"generator.pt": self.gen.get_state(), "torch_rng.pt": torch.get_rng_state()}
+        save_checkpoint(self.run_dir / "checkpoints" / "latest", self.model, self.tok, self.opt, state, extra)
+
+    def restore(self) -> None:
+        """Load checkpoints/latest and cut metrics/alerts back to what it covers."""
+        from safetensors.torch import load_file
+
+        from keel.config import set_key
+
+        ck = complete_checkpoint(self.run_dir / "checkpoints" / "latest")
+        state = json.loads((ck / "trainer_state.json").read_text())
+        self.p = Progress(**state["progress"])
+        for key, value in self.p.config_changes.items():
+            set_key(self.cfg, key, value)
+        self.model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
+        self.sync_sampler()
+        self.rng.setstate(_rng_from_json(state["rng"]))
+        self.gen.set_state(torch.load(ck / "generator.pt"))
+        torch.set_rng_state(torch.load(ck / "torch_rng.pt"))
+        self.detectors.load_state_dict(state["detectors"])
+        self.freq_baseline.load_state_dict(state["freq_baseline"])
+        if self.p.phase in ("rl", "done"):
+            self.make_reference()
+            self.ref_model.load_state_dict(load_file(str(self.run_dir / "checkpoints" / "reference" / "model.safetensors")), strict=False)
+            self.make_optimizer(self.cfg.grpo.lr, self.cfg.grpo.warmup_steps, self.cfg.grpo.weight_decay)
+        else:
+            self.make_optimizer(self.cfg.sft.lr, self.cfg.sft.warmup_steps)
+        if (ck / "optimizer.pt").exists():
+            self.opt.load_state_dict(torch.load(ck / "optimizer.pt"))
+        if state.get("scheduler"):
+            self.sched.load_state_dict(state["scheduler"])
+        truncate_jsonl_lines(self.run_dir / "metrics.jsonl", self.p.metrics_lines)
+        truncate_jsonl_lines(self.run_dir / "alerts.jsonl", self.p.alerts_lines)
+        print(f"[keel] resumed {self.run_dir} at step {self.p.step} ({self.p.phase})", flush=True)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def run(self, resume: bool) -> dict[str, Any]:
+        cfg, p = self.cfg, self.p
+        if resume:
+            self.restore()
+            p = self.p
+        # 1. the untrained model
+        if p.phase == "start":
+            if cfg.eval.before_sft:
+                means = self.evaluate("before_sft")
+                p.summary["eval_before_sft"] = means
+                self.log({M.PHASE: "eval", **means})
+            p.phase = "sft"
+            self.make_optimizer(cfg.sft.lr, cfg.sft.warmup_steps)
+        # 2. SFT warm-start on gold trajectories (paper A's single-step decomposition)
+        if p.phase == "sft":
+            if cfg.sft.enabled and cfg.sft.steps > 0 and not self.sft_phase():
+                return self.finish(interrupted=True)
+            if cfg.sft.enabled and cfg.sft.steps > 0:
+                self.sync_sampler()
+                means = self.evaluate("after_sft")
+                p.summary["eval_after_sft"] = means
+                self.log({M.PHASE: "eval", **means})
+            p.phase = "rl"
+            self.make_reference()
+            if cfg.run.save_checkpoints:
+                save_checkpoint(self.run_dir / "checkpoints" / "reference", self.ref_model, self.tok, None, {"step": p.step})
+            self.make_optimizer(cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo.weight_decay)
+            self.checkpoint()
+        # 3. GRPO
+        if p.phase == "rl":
+            if not self.rl_phase():
+                return self.finish(interrupted=True)
+            p.phase = "done"
+        return self.finish()
+
+    def sft_phase(self) -> bool:
+        """SFT steps until sft.steps are done; False if interrupted (checkpointed)."""
+        cfg, p = self.cfg, self.p
+        golds = [gold_trajectory(self.tok, self.env, t) for t in self.train_tasks]
         examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=cfg.sft.packed)]
-        summary["sft_examples"] = len(examples)
-        summary["sft_gold_failed"] = sum(1 for g in golds if not g.info.get("gold_ok", True))
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.sft.lr, weight_decay=0.0)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.sft.warmup_steps))
-        order: list[int] = []
-        bar = _progress(cfg.sft.steps, "sft", show)
-        for _ in range(cfg.sft.steps):
-            step += 1
-            batch = []
-            while len(batch) < cfg.sft.batch_size:
-                if not order:
-                    order = list(range(len(examples)))
-                    rng.shuffle(order)
-                batch.append(examples[order.pop()])
+        if not examples:
+            raise ValueError("sft: no gold trajectory could be replayed in the environment (every gold call failed)")
+        p.summary["sft_examples"] = len(examples)
+        p.summary["sft_gold_failed"] = sum(1 for g in golds if not g.info.get("gold_ok", True))
+        bar = _progress(cfg.sft.steps, "sft", cfg.run.progress)
+        bar.update(p.sft_done)
+        while p.sft_done < cfg.sft.steps:
+            p.step += 1
+            batch = [examples[i] for i in self.next_batch(p.sft_order, cfg.sft.batch_size, len(examples))]
             t0 = time.time()
-            stats = sft_step(model, opt, batch, pad_id, cfg.grpo.max_grad_norm, autocast=cfg.model.autocast)
-            sched.step()
-            log({M.PHASE: "sft", **stats, M.OPTIM_LR: sched.get_last_lr()[0], M.TIME_UPDATE: time.time() - t0})
+            stats = sft_step(self.model, self.opt, batch, self.pad_id, cfg.grpo.max_grad_norm, autocast=cfg.model.autocast)
+            self.sched.step()
+            p.sft_done += 1
+            self.log({M.PHASE: "sft", **stats, M.OPTIM_LR: self.sched.get_last_lr()[0], M.TIME_UPDATE: time.time() - t0})
             bar.set_postfix(loss=f"{stats[M.LOSS_SFT]:.3f}")
             bar.update(1)
+            if cfg.run.checkpoint_every and p.sft_done % cfg.run.checkpoint_every == 0 or self.interrupted.flag:
+                self.checkpoint()
+            if self.interrupted.flag:
+                bar.close()
+                return False
         bar.close()
-        del opt
-        sync_sampler()
-        means = run_eval("after_sft")
-        summary["eval_after_sft"] = means
-        log({M.PHASE: "eval", **means})
+        return True
 
-    # ---- 3. GRPO ----
-    # The frozen reference: the policy as RL starts. Kept even at kl_coef 0, because the
-    # per-token KL telemetry (which tokens drift) reads it.
-    ref_model = copy.deepcopy(model).eval()
-    for p in ref_model.parameters():
-        p.requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(cfg.grpo.warmup_steps))
-    params = SamplingParams(temperature=cfg.rollout.temperature, max_turns=cfg.rollout.max_turns,
-                            max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
-    order = []
-    last_eval: dict[str, float] | None = None
-    bar = _progress(cfg.grpo.steps, "grpo", show)
-    for rl_step in range(1, cfg.grpo.steps + 1):
-        step += 1
+    def rl_phase(self) -> bool:
+        """GRPO steps until grpo.steps are done, a stop alert fires, or an interrupt."""
+        cfg, p = self.cfg, self.p
+        params = SamplingParams(temperature=cfg.rollout.temperature, max_turns=cfg.rollout.max_turns,
+                                max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
+        bar = _progress(cfg.grpo.steps, "grpo", cfg.run.progress)
+        bar.update(p.rl_done)
+        while p.rl_done < cfg.grpo.steps:
+            p.step += 1
+            p.rl_done += 1
+            line, stop = self.rl_step(params)
+            last = p.rl_done == cfg.grpo.steps
+            if cfg.run.save_checkpoints and (line.get(M.EVAL_EM) is not None or stop or self.interrupted.flag or last
+                                             or (cfg.run.checkpoint_every and p.rl_done % cfg.run.checkpoint_every == 0)):
+                self.checkpoint()
+            if line.get(M.EVAL_EM) is not None:
+                self.refresh_report()
+            bar.set_postfix(reward=f"{line[M.REWARD_MEAN]:.3f}", em=f"{p.last_eval[M.EVAL_EM]:.2f}" if p.last_eval else "-")
+            bar.update(1)
+            if stop:
+                p.summary["stopped_by_alert"] = {"step": p.step}
+                break
+            if self.interrupted.flag:
+                bar.close()
+                return False
+        bar.close()
+        return True
+
+    def rl_step(self, params: SamplingParams) -> tuple[dict[str, Any], bool]:
+        """One GRPO step: rollout → rewards → advantages → update → telemetry → detectors."""
+        from keel.diagnostics.episode_metrics import episode_record, tool_metrics
+        from keel.diagnostics.states import structural_shares
+        from keel.diagnostics.telemetry import control_tag_frequency
+
+        cfg, p = self.cfg, self.p
         t0 = time.time()
-        batch_tasks: list[Task] = []
-        while len(batch_tasks) < cfg.rollout.prompts_per_step:
-            if not order:
-                order = list(range(len(train_tasks)))
-                rng.shuffle(order)
-            batch_tasks.append(train_tasks[order.pop()])
+        batch_tasks = [self.train_tasks[i] for i in self.next_batch(p.rl_order, cfg.rollout.prompts_per_step, len(self.train_tasks))]
         rows = [t for t in batch_tasks for _ in range(cfg.rollout.group_size)]
         groups = [k for k in range(len(batch_tasks)) for _ in range(cfg.rollout.group_size)]
-        trajs = rollout(sampler, tok, env, rows, params, generator=gen, groups=groups)
+        trajs = rollout(self.sampler, self.tok, self.env, rows, params, generator=self.gen, groups=groups)
         t_rollout = time.time() - t0
         comps: dict[str, list[float]] = {}
         for tr, task in zip(trajs, rows):
             try:
-                total, parts = reward_fn(tr, task)
+                total, parts = self.reward_fn(tr, task)
             except Exception as exc:  # one odd sample must not crash a long run
                 total, parts = 0.0, {"reward_error": 1.0}
                 tr.info["reward_error"] = f"{type(exc).__name__}: {exc}"
-            tr.reward = float(total)
-            tr.reward_components = parts
+            tr.reward, tr.reward_components = float(total), parts
             for k, v in parts.items():
                 comps.setdefault(k, []).append(float(v))
         rewards = torch.tensor([tr.reward for tr in trajs])
         adv = group_advantages(rewards, torch.tensor(groups), cfg.grpo.scale_by_std)
         t1 = time.time()
         sink: list = []
-        stats = grpo_update(model, ref_model, opt, trajs, adv, cfg, pad_id, cfg.rollout.temperature, sink,
-                            old_from_policy=sampler is not model or cfg.model.autocast)
-        sched.step()
-        sync_sampler()
+        stats = grpo_update(self.model, self.ref_model, self.opt, trajs, adv, cfg, self.pad_id, cfg.rollout.temperature, sink,
+                            old_from_policy=self.sampler is not self.model or cfg.model.autocast)
+        self.sched.step()
+        self.sync_sampler()
         t_update = time.time() - t1
         n_policy = sum(tr.num_policy_tokens for tr in trajs)
         mixed = sum(1 for k in range(len(batch_tasks)) if rewards[[g == k for g in groups]].std() > 0) / len(batch_tasks)
@@ -402,69 +591,79 @@ def _train(cfg, run, t_start, rng, gen, reward_fn, tracker, detectors, freq_base
             M.REWARD_MIXED_GROUPS: mixed,
             **{M.REWARD_COMPONENT_PREFIX + k: sum(v) / len(v) for k, v in comps.items()},
             **stats,
-            M.TOOLS_PER_QUESTION: sum(len(tr.steps) for tr in trajs) / len(trajs),
-            M.TOOLS_VALID_CALLS: _share([s.observation.ok for tr in trajs for s in tr.steps]),
             M.ROLLOUT_POLICY_TOKENS: float(n_policy),
             M.ROLLOUT_TOKENS_PER_S: n_policy / max(t_rollout, 1e-9),
             M.ROLLOUT_MEAN_TURNS: sum(len(tr.turn_spans) for tr in trajs) / len(trajs),
             M.ROLLOUT_TRUNCATED: sum(tr.truncated for tr in trajs) / len(trajs),
             M.TIME_ROLLOUT: t_rollout,
             M.TIME_UPDATE: t_update,
-            M.OPTIM_LR: sched.get_last_lr()[0],
+            M.OPTIM_LR: self.sched.get_last_lr()[0],
         }
-        line.update(_telemetry(sink, pieces))
+        line.update(_telemetry(sink, self.pieces))
         line.update(tool_metrics([episode_record(tr, task) for tr, task in zip(trajs, rows)]))
         line.update(structural_shares(trajs))
-        freqs = control_tag_frequency([pieces([t for t, s in zip(tr.token_ids, tr.sources) if s == Source.POLICY]) for tr in trajs])
-        freq_baseline.record(freqs)  # first RL step: the policy equals the reference model
-        line.update(freq_baseline.metrics(freqs))
-        is_eval = rl_step % cfg.eval.every == 0 or rl_step == cfg.grpo.steps
-        if is_eval:
-            last_eval = run_eval(f"rl_step_{rl_step}")
-            line.update(last_eval)
-            if last_eval[M.EVAL_EM] > peak[M.EVAL_EM]:
-                peak = {"step": step, M.EVAL_EM: last_eval[M.EVAL_EM], **last_eval}
+        freqs = control_tag_frequency([self.pieces([t for t, s in zip(tr.token_ids, tr.sources) if s == Source.POLICY]) for tr in trajs])
+        self.freq_baseline.record(freqs)  # first RL step: the policy equals the reference model
+        line.update(self.freq_baseline.metrics(freqs))
+        if p.rl_done % cfg.eval.every == 0 or p.rl_done == cfg.grpo.steps:
+            p.last_eval = self.evaluate(f"rl_step_{p.rl_done}")
+            line.update(p.last_eval)
+            if p.last_eval[M.EVAL_EM] > p.peak[M.EVAL_EM]:
+                p.peak = {"step": p.step, **p.last_eval}
                 if cfg.run.save_checkpoints:
-                    save_checkpoint(run / "checkpoints" / "peak", model, tok, None, {"step": step, "eval": last_eval})
+                    save_checkpoint(self.run_dir / "checkpoints" / "peak", self.model, self.tok, None, {"step": p.step, "eval": p.last_eval})
         line[M.TIME_STEP] = time.time() - t0
-        alerts = detectors.update(step, line)
+        stop = self.handle_alerts(line)
+        self.log(line)
+        return line, stop
+
+    def handle_alerts(self, line: dict[str, Any]) -> bool:
+        """Run the detectors on this step's line; warn, stop, or roll back to the peak."""
+        alerts = self.detectors.update(self.p.step, line)
         stop = False
         for alert in alerts:
             record = alert.to_dict()
             if alert.action == "rollback":
-                record["rolled_back_to"] = _rollback(model, run, cfg, alert.on_rollback)
+                record["rolled_back_to"] = _rollback(self.model, self.run_dir, self.cfg, alert.on_rollback)
                 if record["rolled_back_to"] is not None:
-                    sync_sampler()
+                    self.sync_sampler()
                     line[M.ALERT_ROLLBACK] = 1.0
-                    opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo.lr, weight_decay=cfg.grpo.weight_decay)
-                    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(0))
-                    record["config_now"] = {k: _get_key(cfg, k) for k in alert.on_rollback}
+                    self.make_optimizer(self.cfg.grpo.lr, 0, self.cfg.grpo.weight_decay)
+                    record["config_now"] = {k: _get_key(self.cfg, k) for k in alert.on_rollback}
+                    self.p.config_changes.update(record["config_now"])
             elif alert.action == "stop":
                 stop = True
-            append_jsonl(run / "alerts.jsonl", record)
-            print(f"[keel] step {step} ALERT {alert.kind}: {alert.suggested_action} (action: {alert.action})", flush=True)
+            append_jsonl(self.run_dir / "alerts.jsonl", record)
+            self.p.alerts_lines += 1
+            print(f"[keel] step {self.p.step} ALERT {alert.kind}: {alert.suggested_action} (action: {alert.action})", flush=True)
         line[M.ALERT_COUNT] = float(len(alerts))
-        log(line)
-        if cfg.run.save_checkpoints and (is_eval or stop or (cfg.run.checkpoint_every and rl_step % cfg.run.checkpoint_every == 0)):
-            save_checkpoint(run / "checkpoints" / "latest", model, tok, opt, {"step": step, "rl_step": rl_step})
-        if is_eval:
-            refresh_report()
-        if stop:
-            summary["stopped_by_alert"] = {"step": step, "kinds": [a.kind for a in alerts if a.action == "stop"]}
-            bar.close()
-            break
-        bar.set_postfix(reward=f"{line[M.REWARD_MEAN]:.3f}", em=f"{last_eval[M.EVAL_EM]:.2f}" if last_eval else "-")
-        bar.update(1)
-    bar.close()
+        return stop
 
-    summary["eval_final"] = last_eval if last_eval is not None else summary.get("eval_after_sft") or summary.get("eval_before_sft")
-    summary["peak"] = peak if peak["step"] is not None else None
-    summary["steps"] = step
-    summary["grpo_steps"] = cfg.grpo.steps
-    summary["wall_time_s"] = time.time() - t_start
-    atomic_write_json(run / "summary.json", summary)
-    refresh_report()
-    return summary
+    def finish(self, interrupted: bool = False) -> dict[str, Any]:
+        p = self.p
+        s = p.summary
+        s["eval_final"] = p.last_eval if p.last_eval is not None else s.get("eval_after_sft") or s.get("eval_before_sft")
+        s["peak"] = p.peak if p.peak["step"] is not None else None
+        s["steps"] = p.step
+        s["grpo_steps_done"] = p.rl_done
+        s["phase"] = p.phase
+        s["interrupted"] = interrupted
+        s["wall_time_s"] = s.get("wall_time_s", 0.0) + (time.time() - self.t_start)
+        atomic_write_json(self.run_dir / "summary.json", s)
+        self.refresh_report()
+        if interrupted:
+            print(f"[keel] stopped cleanly at step {p.step}; continue with: keel train --resume {self.run_dir}", flush=True)
+        return s
+
+
+def _rng_to_json(state) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _rng_from_json(state) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
 
 
 def _get_key(cfg: Config, key: str):
