@@ -62,6 +62,14 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--format", default="auto")
     c.add_argument("--limit", type=int, default=0)
 
+    ds = sub.add_parser("distill", help="ReST-EM (paper B rung 7): greedy rollouts of a checkpoint over the training questions, keep EM=1 with a successful call and valid format",
+                        description="Write the kept episodes as JSONL; train on them with signals.self_distill.trajectories (configs/kg_self_distill.yaml).")
+    ds.add_argument("config", help="the preset whose data/env the checkpoint was trained on")
+    ds.add_argument("--checkpoint", required=True, help="model directory, e.g. RUN/checkpoints/peak")
+    ds.add_argument("--out", required=True, help="JSONL file to write (must not exist)")
+    ds.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ds.add_argument("--limit", type=int, default=0, help="only the first N training questions (0: all)")
+
     dg = sub.add_parser("diagnose", help="name a run's failure mode (or healthy) with evidence; writes RUN_DIR/diagnosis.json")
     dg.add_argument("run_dir")
     r = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained plots and trajectory viewer)")
@@ -230,6 +238,30 @@ def _data(args) -> int:
     raise ValueError("data: choose an action: kg-synth | check (see `keel data --help`)")
 
 
+def _distill(args) -> int:
+    from keel import tasks as task_builder
+    from keel.config import load_config
+    from keel.models import load_model
+    from keel.rollout import SamplingParams
+    from keel.signals.restem import distill, write_trajectories
+
+    out = Path(args.out)
+    if out.exists():
+        raise FileExistsError(f"distill: {out} already exists; choose another --out")
+    if not Path(args.checkpoint).is_dir():
+        raise FileNotFoundError(f"distill: checkpoint directory not found: {args.checkpoint}")
+    cfg = load_config(args.config, args.overrides)
+    env, train_tasks, _ = task_builder.build(cfg, None)
+    if args.limit:
+        train_tasks = train_tasks[: args.limit]
+    model, tok = load_model(args.checkpoint)
+    params = SamplingParams(greedy=True, max_turns=cfg.rollout.max_turns, max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
+    kept, counts = distill(model, tok, env, train_tasks, params, cfg.eval.batch_size)
+    write_trajectories(out, kept)
+    print(json.dumps({"questions": len(train_tasks), "kept": len(kept), "rejected": counts}, indent=2))
+    return 0
+
+
 def _diagnose(args) -> int:
     from keel.diagnostics.classify import diagnose, format_diagnosis
 
@@ -264,7 +296,7 @@ def _compare(args) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "eval": _eval, "data": _data, "diagnose": _diagnose, "report": _report, "compare": _compare}
+COMMANDS = {"distill": _distill, "train": _train, "eval": _eval, "data": _data, "diagnose": _diagnose, "report": _report, "compare": _compare}
 
 
 if __name__ == "__main__":

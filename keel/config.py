@@ -42,6 +42,7 @@ class DataConfig:
     n_train: int = doc(1000, "synthetic: training questions")
     n_dev: int = doc(100, "synthetic: dev questions")
     n_test: int = doc(200, "synthetic: test questions")
+    max_calls_per_turn: int = doc(6, "synthetic: skip questions whose gold needs more parallel calls in one turn (shorter trajectories on CPU)")
     dir: str = doc("", "source=dir: a dataset directory with kb.tsv and train/dev/test.jsonl (from `keel data kg-synth`)")
     kb: str = doc("", "source=files: triples file (TSV head\\trelation\\ttail or |-separated, .gz ok)")
     train: str = doc("", "source=files: training questions (Keel JSONL, CWQ, PathQuestion, MetaQA)")
@@ -130,6 +131,12 @@ def _detector_config():
     return DetectorConfig()
 
 
+def _signals_config():
+    from keel.signals.schedule import SignalsConfig
+
+    return SignalsConfig()
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -142,6 +149,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     detectors: "DetectorConfig" = field(default_factory=_detector_config)  # collapse detectors (keel.diagnostics.detectors)
+    signals: "SignalsConfig" = field(default_factory=_signals_config)  # paper A's supervision signals (keel.signals.schedule)
     report_to: list[str] = doc([], "external trackers besides metrics.jsonl: tensorboard, wandb, trackio, mlflow")
 
 
@@ -175,8 +183,9 @@ def to_dict(cfg) -> dict[str, Any]:
 
 def _leaf_types(cls) -> dict[str, Any]:
     from keel.diagnostics.detectors import DetectorConfig
+    from keel.signals.schedule import SignalsConfig
 
-    return typing.get_type_hints(cls, localns={"DetectorConfig": DetectorConfig})
+    return typing.get_type_hints(cls, localns={"DetectorConfig": DetectorConfig, "SignalsConfig": SignalsConfig})
 
 
 def set_key(cfg: Config, key: str, value: Any) -> None:
@@ -296,6 +305,10 @@ def load_config(preset: str | Path | None = None, overrides: list[str] | None = 
     if smoke:
         for k, v in SMOKE.items():
             set_key(cfg, k, v)
+        if cfg.signals.at_steps:  # make the smoke run reach an interleaved supervision phase
+            cfg.signals.at_steps = [1]
+        if cfg.signals.self_distill.trajectories and not Path(cfg.signals.self_distill.trajectories).exists():
+            cfg.signals.self_distill.trajectories = ""  # smoke checks the loop, not a previous run's output
     for o in overrides or []:
         k, v = parse_override(o)
         set_key(cfg, k, v)
@@ -323,6 +336,14 @@ def validate(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+    from keel.signals.schedule import Schedule
+
+    try:
+        Schedule.from_config(cfg.signals, cfg.grpo.lr)
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    if cfg.signals.ops.enabled and cfg.signals.ops.mode == "replace" and cfg.signals.ops.members >= cfg.rollout.group_size:
+        raise ConfigError("signals.ops.members must be < rollout.group_size in replace mode (the group keeps sampled members)")
 
 
 def dump_yaml(cfg: Config) -> str:

@@ -35,6 +35,7 @@ LOSS_CLIP_HIGH = "loss/clip_high_frac"
 LOSS_RATIO_MEAN = "loss/ratio_mean"
 LOSS_GRAD_NORM = "loss/grad_norm"
 LOSS_SKIPPED = "loss/skipped_nonfinite"  # 1 when the update was skipped for a NaN/inf
+LOSS_TRAINED_MEMBERS = "loss/trained_members"  # group members that entered the update (non-zero advantage)
 
 # kl/
 KL_MEAN = "kl/mean"  # k3 per policy token, mean
@@ -101,6 +102,7 @@ NONDETERMINISTIC_PREFIXES = ("time/", "mem/", "rollout/tokens_per_s")
 # tokens/ (keel.diagnostics.telemetry.ControlFrequencyBaseline)
 TOKENS_CONTROL_FREQ_RATIO_PREFIX = "tokens/freq_ratio/"  # + tag: (policy + 0.1) / (reference + 0.1) occurrences per trajectory
 TOKENS_CONTROL_FREQ_MAX_RATIO = "tokens/freq_max_ratio"  # largest of those ratios
-# signal/ (keel.signals)
+# loss/ and signal/ (keel.signals)
+LOSS_ETS = "loss/ets"  # synchronous ETS: NLL of gold single-step examples of recently all-failed prompts
 SIGNAL_REFLECTION_ERRORS = "signal/reflection_errors"  # analyzer calls that failed (endpoint errors) at this step
 SIGNAL_PHASE = "signal/phase_steps"  # optimizer steps of the interleaved supervision phase run after this RL step

@@ -185,6 +185,7 @@ def rollout(
     hints: Sequence[str | None] | None = None,
     steer: Callable[[int, int], list[int] | None] | None = None,
     groups: Sequence[int] | None = None,
+    hint_position: str = "system",
 ) -> list[Trajectory]:
     """Run one episode per task (repeat a task for a group) and return their trajectories.
 
@@ -198,7 +199,13 @@ def rollout(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     rows: list[_Row] = []
     for i, task in enumerate(tasks):
-        ids, sources = encode_prompt(tokenizer, env, task, hints[i] if hints else None)
+        hint = hints[i] if hints else None
+        if hint and hint_position != "system":  # lazy import: keel.signals.hints imports this module
+            from keel.signals.hints import encode_prompt_with_hint
+
+            ids, sources = encode_prompt_with_hint(tokenizer, env, task, hint, hint_position)
+        else:
+            ids, sources = encode_prompt(tokenizer, env, task, hint)
         traj = Trajectory(task_id=task.id, token_ids=[], sources=[], logprobs=[], group=groups[i] if groups else -1)
         rows.append(_Row(task=task, episode=env.start(task), ids=ids, sources=sources, logprobs=[0.0] * len(ids), traj=traj))
     t0 = time.perf_counter()

@@ -44,7 +44,7 @@ def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], li
 
     d = cfg.data
     if d.source == "synthetic":
-        from keel.kg.synth import generate
+        from keel.kg.synth import SynthConfig, generate
 
         target = (run_dir / "data") if run_dir is not None else None
         if target is None:
@@ -54,7 +54,8 @@ def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], li
         # a resumed run finds its data already there (the generator is deterministic; meta.json
         # is written last, so a directory without it is a torn write and is regenerated)
         if not (target / "meta.json").exists():
-            generate(target, seed=d.seed, train=d.n_train, dev=d.n_dev, test=d.n_test, overwrite=True)
+            generate(target, seed=d.seed, train=d.n_train, dev=d.n_dev, test=d.n_test, overwrite=True,
+                     config=SynthConfig(max_calls_per_turn=d.max_calls_per_turn))
         data_dir = target
     elif d.source == "dir":
         data_dir = _need(d.dir, "data.dir")

@@ -115,6 +115,7 @@ def grpo_update(
     temperature: float,
     telemetry_sink: list | None = None,
     old_from_policy: bool = False,
+    extra_losses: list[tuple[str, float, list]] = (),
 ) -> dict[str, float]:
     """One optimizer step of the GRPO loss over the trajectories (gradient-accumulated).
 
@@ -123,20 +124,22 @@ def grpo_update(
     size does not change the loss. Returns loss/kl/clip statistics.
     `old_from_policy`: take every token's old log-prob from this policy before the update
     (needed when rollouts were sampled by a lower-precision copy of the weights).
+    `extra_losses`: (kind, weight, SFT examples) added to this same update — paper A's
+    synchronous paradigm (gold SFT, ETS, reflection losses mixed into the RL step).
     """
     g = cfg.grpo
     train_sources = (Source.POLICY, Source.EXPERT)
     members = [i for i in range(len(trajectories)) if not (g.skip_zero_advantage and float(advantages[i]) == 0.0)]
     stats = {M.LOSS_POLICY: 0.0, M.LOSS_KL: 0.0, M.LOSS_TOTAL: 0.0, M.KL_K1_MEAN: 0.0, M.KL_K3_MEAN: 0.0, M.KL_MEAN: 0.0,
              M.LOSS_CLIP_LOW: 0.0, M.LOSS_CLIP_HIGH: 0.0, M.LOSS_RATIO_MEAN: 1.0, M.LOSS_GRAD_NORM: 0.0, M.LOSS_SKIPPED: 0.0,
-             M.TOKENS_ENTROPY: 0.0, "grpo/trained_members": float(len(members))}
-    if not members:
+             M.TOKENS_ENTROPY: 0.0, M.LOSS_TRAINED_MEMBERS: float(len(members))}
+    if not members and not extra_losses:
         return stats
     model.train()
     optimizer.zero_grad(set_to_none=True)
     counts = [sum(1 for s in trajectories[i].sources[1:] if s in train_sources) for i in members]
     num_tokens = sum(counts)
-    num_seqs = len(members)
+    num_seqs = max(len(members), 1)
     sums = {"pg": 0.0, "kl": 0.0, "k1": 0.0, "k3": 0.0, "low": 0.0, "high": 0.0, "ratio": 0.0, "ent": 0.0}
     for s in range(0, len(members), g.micro_batch_size):
         idx = members[s : s + g.micro_batch_size]
@@ -157,6 +160,12 @@ def grpo_update(
             kept = [x for x in trajectories[i].sources if x != Source.HINT]
             src[b, : len(kept)] = torch.tensor(kept)
         expert = (src == Source.EXPERT)[batch.target_mask]
+        if cfg.signals.hint.enabled and cfg.signals.hint.recompute_old_logprobs:
+            # A hinted row was sampled with the hint in context; its sampling log-probs are
+            # π(·|hint). The loss sees the hint-free context, so take "old" from π(·|no hint)
+            # (ratio 1 at this step, as verl's recomputed old log-probs give).
+            hinted = torch.tensor([any(x == Source.HINT for x in trajectories[i].sources) for i in idx])
+            expert = expert | hinted[:, None].expand_as(batch.target_mask)[batch.target_mask]
         old = logp.detach() if old_from_policy else torch.where(expert, logp.detach(), old)
         adv = batch.advantages[batch.target_mask]
         seq_index = batch.target_mask.nonzero()[:, 0]
@@ -183,15 +192,25 @@ def grpo_update(
                     n = int(batch.target_mask[b].sum())
                     telemetry_sink.append((i, batch.input_ids[b][batch.target_mask[b]].tolist(), logp[off : off + n].detach(), ref_logp[off : off + n].detach(), ent[off : off + n]))
                     off += n
+    extra_total = 0.0
+    if extra_losses:
+        from keel.signals.schedule import supervision_backward
+
+        for kind, weight, examples in extra_losses:
+            if not examples:
+                continue
+            value = supervision_backward(model, examples, pad_id, weight, g.micro_batch_size, cfg.model.autocast)
+            stats[{"sft": M.LOSS_SFT, "ets": M.LOSS_ETS, "reflection": M.LOSS_REFLECTION}[kind]] = value
+            extra_total += weight * value
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g.max_grad_norm)
-    total = sums["pg"] + g.kl_coef * sums["kl"]
+    total = sums["pg"] + g.kl_coef * sums["kl"] + extra_total
     skipped = not (math.isfinite(total) and torch.isfinite(norm))
     if skipped:  # a NaN/inf must not poison the weights: skip the update, log it, keep going
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
     n = max(num_tokens, 1)
-    stats.update({
+    stats.update({M.LOSS_TRAINED_MEMBERS: float(len(members)),
         M.LOSS_POLICY: sums["pg"], M.LOSS_KL: sums["kl"], M.LOSS_TOTAL: total,
         M.KL_K1_MEAN: sums["k1"] / n, M.KL_K3_MEAN: sums["k3"] / n, M.KL_MEAN: sums["k3"] / n,
         M.LOSS_CLIP_LOW: sums["low"] / n, M.LOSS_CLIP_HIGH: sums["high"] / n, M.LOSS_RATIO_MEAN: sums["ratio"] / n,
@@ -257,6 +276,7 @@ class Progress:
     metrics_lines: int = 0  # lines of metrics.jsonl / alerts.jsonl covered by this state
     alerts_lines: int = 0
     config_changes: dict[str, Any] = field(default_factory=dict)  # applied by rollback alerts
+    signals: dict[str, Any] = field(default_factory=dict)  # ETS buffer and hint-policy state
 
 
 class Interrupted:
@@ -349,6 +369,57 @@ class Trainer:
         self.ref_model = None
         self.opt = None
         self.sched = None
+        self.init_signals()
+
+    # ---- paper A's supervision signals (keel.signals) ---------------------------------------
+    def init_signals(self) -> None:
+        from keel.signals.ets import ETSBuffer
+        from keel.signals.hints import HintPolicy
+        from keel.signals.reflection import LLMAnalyzer, RuleAnalyzer
+        from keel.signals.schedule import Schedule
+
+        s = self.cfg.signals
+        self.schedule = Schedule.from_config(s, self.cfg.grpo.lr)
+        self.hint_policy = HintPolicy(self.env, s.hint.kinds, s.hint.position, s.hint.only_failed, s.hint.fail_at) if s.hint.enabled else None
+        self.ets = ETSBuffer(s.ets.window, s.ets.capacity, s.ets.fail_at) if s.ets.enabled else None
+        self.analyzer = None
+        if s.reflection.enabled:
+            self.analyzer = RuleAnalyzer(self.env) if s.reflection.analyzer == "rule" else LLMAnalyzer(
+                s.reflection.base_url, s.reflection.model, s.reflection.api_key or None, getattr(self.env, "call_format", "json"))
+        self.reflections: list[SFTExample] = []  # newest last, at most signals.reflection.pool
+        self.gold_cache: dict[str, Trajectory] = {}  # gold trajectories, built once per task
+        self._gold_examples: list[SFTExample] | None = None
+
+    def supervision_pool(self, kind: str) -> list[SFTExample]:
+        """The examples a supervision kind trains on now: gold SFT of all training tasks, the
+        ETS buffer's gold trajectories, or the reflection pool."""
+        from keel.signals.ops import expert_trajectory
+
+        if kind == "sft":
+            if self._gold_examples is None:
+                for t in self.train_tasks:
+                    if t.id not in self.gold_cache:
+                        self.gold_cache[t.id] = expert_trajectory(self.tok, self.env, t)
+                golds = [self.gold_cache[t.id] for t in self.train_tasks]
+                self._gold_examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=self.cfg.sft.packed)]
+            return self._gold_examples
+        if kind == "ets":
+            return self.ets.sft_examples(self.tok, self.env, self.tasks_by_id, packed=self.cfg.sft.packed)
+        return list(self.reflections)
+
+    def signals_state(self) -> dict[str, Any]:
+        out = {}
+        if self.ets is not None:
+            out["ets"] = self.ets.state_dict()
+        if self.hint_policy is not None:
+            out["hints"] = self.hint_policy.state_dict()
+        return out
+
+    def load_signals_state(self, state: dict[str, Any]) -> None:
+        if self.ets is not None and "ets" in state:
+            self.ets.load_state_dict(state["ets"])
+        if self.hint_policy is not None and "hints" in state:
+            self.hint_policy.load_state_dict(state["hints"])
 
     # ---- small services -------------------------------------------------------------------
     def log(self, line: dict[str, Any]) -> None:
@@ -414,6 +485,7 @@ class Trainer:
         if not self.cfg.run.save_checkpoints:
             return
         p = self.p
+        p.signals = self.signals_state()
         state = {
             "progress": asdict(p),
             "rng": _rng_to_json(self.rng.getstate()),
@@ -422,7 +494,8 @@ class Trainer:
             "scheduler": self.sched.state_dict() if self.sched is not None else None,
             "step": p.step,
         }
-        extra = {"generator.pt": self.gen.get_state(), "torch_rng.pt": torch.get_rng_state()}
+        extra = {"generator.pt": self.gen.get_state(), "torch_rng.pt": torch.get_rng_state(),
+                 "reflections.pt": [(e.token_ids, e.targets, e.task_id, e.turn) for e in self.reflections]}
         save_checkpoint(self.run_dir / "checkpoints" / "latest", self.model, self.tok, self.opt, state, extra)
 
     def restore(self) -> None:
@@ -443,6 +516,9 @@ class Trainer:
         torch.set_rng_state(torch.load(ck / "torch_rng.pt"))
         self.detectors.load_state_dict(state["detectors"])
         self.freq_baseline.load_state_dict(state["freq_baseline"])
+        self.load_signals_state(self.p.signals)
+        if (ck / "reflections.pt").exists():
+            self.reflections = [SFTExample(*r) for r in torch.load(ck / "reflections.pt")]
         if self.p.phase in ("rl", "done"):
             self.make_reference()
             self.ref_model.load_state_dict(load_file(str(self.run_dir / "checkpoints" / "reference" / "model.safetensors")), strict=False)
@@ -496,12 +572,24 @@ class Trainer:
     def sft_phase(self) -> bool:
         """SFT steps until sft.steps are done; False if interrupted (checkpointed)."""
         cfg, p = self.cfg, self.p
-        golds = [gold_trajectory(self.tok, self.env, t) for t in self.train_tasks]
-        examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=cfg.sft.packed)]
-        if not examples:
-            raise ValueError("sft: no gold trajectory could be replayed in the environment (every gold call failed)")
+        if cfg.signals.self_distill.trajectories:
+            # paper B rung 7 (ReST-EM): SFT from the base on a checkpoint's own kept episodes
+            from keel.signals.restem import read_trajectories, self_distillation_examples
+
+            path = Path(cfg.signals.self_distill.trajectories)
+            if not path.exists():
+                raise FileNotFoundError(f"signals.self_distill.trajectories: file not found: {path} (make it with `keel distill`)")
+            examples = self_distillation_examples(read_trajectories(path), packed=cfg.sft.packed)
+            if not examples:
+                raise ValueError(f"signals.self_distill.trajectories: {path} has no usable episodes")
+            p.summary["sft_source"] = f"self-distillation: {path}"
+        else:
+            golds = [gold_trajectory(self.tok, self.env, t) for t in self.train_tasks]
+            examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=cfg.sft.packed)]
+            if not examples:
+                raise ValueError("sft: no gold trajectory could be replayed in the environment (every gold call failed)")
+            p.summary["sft_gold_failed"] = sum(1 for g in golds if not g.info.get("gold_ok", True))
         p.summary["sft_examples"] = len(examples)
-        p.summary["sft_gold_failed"] = sum(1 for g in golds if not g.info.get("gold_ok", True))
         bar = _progress(cfg.sft.steps, "sft", cfg.run.progress)
         bar.update(p.sft_done)
         while p.sft_done < cfg.sft.steps:
@@ -533,6 +621,9 @@ class Trainer:
             p.step += 1
             p.rl_done += 1
             line, stop = self.rl_step(params)
+            phase = self.schedule.phase_after(p.rl_done)
+            if phase is not None and not stop:
+                self.supervision_phase(phase)
             last = p.rl_done == cfg.grpo.steps
             if cfg.run.save_checkpoints and (line.get(M.EVAL_EM) is not None or stop or self.interrupted.flag or last
                                              or (cfg.run.checkpoint_every and p.rl_done % cfg.run.checkpoint_every == 0)):
@@ -550,6 +641,21 @@ class Trainer:
         bar.close()
         return True
 
+    def supervision_phase(self, phase) -> None:
+        """Paper A's interleaved paradigm: `epochs` of supervision (own optimizer and lr) between
+        RL steps; each supervision step is one metrics line with phase "sft"."""
+        from keel.signals.schedule import run_phase
+
+        examples = [e for k in phase.sources for e in self.supervision_pool(k)]
+        if not examples:
+            return
+        lines = run_phase(self.model, examples, phase, self.pad_id, self.cfg.grpo.max_grad_norm, self.rng,
+                          self.cfg.grpo.micro_batch_size, autocast=self.cfg.model.autocast)
+        for stats in lines:
+            self.p.step += 1
+            self.log({M.PHASE: "sft", **stats, M.SIGNAL_PHASE: phase.kind})
+        self.sync_sampler()
+
     def rl_step(self, params: SamplingParams) -> tuple[dict[str, Any], bool]:
         """One GRPO step: rollout → rewards → advantages → update → telemetry → detectors."""
         from keel.diagnostics.episode_metrics import episode_record, tool_metrics
@@ -558,10 +664,23 @@ class Trainer:
 
         cfg, p = self.cfg, self.p
         t0 = time.time()
+        from keel.signals.ops import expert_members, group_with_experts, sampled_rows
+        from keel.signals.reflection import collect_reflections, reflection_example
+        from keel.signals.schedule import sample_examples
+
+        s = cfg.signals
+        signal_line: dict[str, Any] = {}
         batch_tasks = [self.train_tasks[i] for i in self.next_batch(p.rl_order, cfg.rollout.prompts_per_step, len(self.train_tasks))]
-        rows = [t for t in batch_tasks for _ in range(cfg.rollout.group_size)]
-        groups = [k for k in range(len(batch_tasks)) for _ in range(cfg.rollout.group_size)]
-        trajs = rollout(self.sampler, self.tok, self.env, rows, params, generator=self.gen, groups=groups)
+        # OPS "replace" (the authors' replace_num=1): the gold trajectory takes one slot of each group
+        n_replace = s.ops.members if s.ops.enabled and s.ops.mode == "replace" else 0
+        rows, groups = sampled_rows(batch_tasks, cfg.rollout.group_size, n_replace)
+        hints = None
+        if self.hint_policy is not None:  # shown only while sampling; collate drops them for the loss
+            per_task = self.hint_policy.hints_for(batch_tasks)
+            hints = [per_task[g] for g in groups]
+            signal_line[M.SIGNAL_HINTED_GROUPS] = sum(h is not None for h in per_task) / len(per_task)
+        trajs = rollout(self.sampler, self.tok, self.env, rows, params, generator=self.gen, groups=groups, hints=hints,
+                        hint_position=s.hint.position)
         t_rollout = time.time() - t0
         comps: dict[str, list[float]] = {}
         for tr, task in zip(trajs, rows):
@@ -574,11 +693,38 @@ class Trainer:
             for k, v in parts.items():
                 comps.setdefault(k, []).append(float(v))
         rewards = torch.tensor([tr.reward for tr in trajs])
-        adv = group_advantages(rewards, torch.tensor(groups), cfg.grpo.scale_by_std)
+        group_rewards = [[tr.reward for tr, g in zip(trajs, groups) if g == k] for k in range(len(batch_tasks))]
+        task_ids = [t.id for t in batch_tasks]
+        if self.hint_policy is not None:
+            self.hint_policy.observe(task_ids, group_rewards)
+        if self.ets is not None:  # ETS: queries whose whole group failed enter the buffer
+            self.ets.observe(p.rl_done, task_ids, group_rewards)
+            signal_line[M.SIGNAL_ETS_BUFFER] = float(len(self.ets))
+        members = trajs
+        if s.ops.enabled:  # OPS: gold members join the group; advantages over both kinds (Eq. 4)
+            experts = [e for k, t in enumerate(batch_tasks) for e in expert_members(self.tok, self.env, t, s.ops.members, group=k, cache=self.gold_cache)]
+            expert_rewards = [self.reward_fn(e, batch_tasks[e.group])[0] for e in experts]
+            mixed_groups = group_with_experts(trajs, rewards, experts, expert_rewards, groups, cfg.grpo.scale_by_std)
+            members, adv = mixed_groups.trajectories, mixed_groups.advantages
+            signal_line[M.SIGNAL_OPS_MEMBERS] = float(len(experts))
+        else:
+            adv = group_advantages(rewards, torch.tensor(groups), cfg.grpo.scale_by_std)
+        if self.analyzer is not None:  # PRS: reflections on failed episodes join the pool
+            got, errors = collect_reflections(self.analyzer, self.rng.sample(trajs, len(trajs)), self.tasks_by_id,
+                                              s.reflection.fail_at, s.reflection.per_step)
+            for tr, r in got:
+                ex = reflection_example(self.tok, tr, r.text, s.reflection.max_tokens)
+                if ex is not None:
+                    self.reflections.append(ex)
+            del self.reflections[: -s.reflection.pool]
+            signal_line.update({M.SIGNAL_REFLECTIONS: float(len(got)), M.SIGNAL_REFLECTION_ERRORS: float(errors)})
+        extra = [(k, self.schedule.sync_weight(k), sample_examples(self.supervision_pool(k), s.sync_examples, self.rng))
+                 for k in self.schedule.kinds if self.schedule.sync_weight(k) > 0]
         t1 = time.time()
         sink: list = []
-        stats = grpo_update(self.model, self.ref_model, self.opt, trajs, adv, cfg, self.pad_id, cfg.rollout.temperature, sink,
-                            old_from_policy=self.sampler is not self.model or cfg.model.autocast)
+        stats = grpo_update(self.model, self.ref_model, self.opt, members, adv, cfg, self.pad_id, cfg.rollout.temperature, sink,
+                            old_from_policy=self.sampler is not self.model or cfg.model.autocast, extra_losses=extra)
+        sink = [x for x in sink if x[0] < len(trajs)]  # KL telemetry on sampled tokens, not gold ones
         self.sched.step()
         self.sync_sampler()
         t_update = time.time() - t1
@@ -599,6 +745,7 @@ class Trainer:
             M.TIME_UPDATE: t_update,
             M.OPTIM_LR: self.sched.get_last_lr()[0],
         }
+        line.update(signal_line)
         line.update(_telemetry(sink, self.pieces))
         line.update(tool_metrics([episode_record(tr, task) for tr, task in zip(trajs, rows)]))
         line.update(structural_shares(trajs))

@@ -67,7 +67,7 @@ def test_update_increases_the_advantage_weighted_likelihood(tiny):
 
     before = objective()
     stats = grpo_update(m, None, torch.optim.SGD(m.parameters(), lr=1e-3), trajs, adv, cfg, tok.pad_token_id, 1.0)
-    assert stats["grpo/trained_members"] == 8.0 and stats["loss/skipped_nonfinite"] == 0.0
+    assert stats["loss/trained_members"] == 8.0 and stats["loss/skipped_nonfinite"] == 0.0
     assert objective() > before
 
 
@@ -90,4 +90,4 @@ def test_uniform_groups_are_skipped(tiny):
     trajs, _ = _batch(tiny)
     adv = torch.zeros(8)
     stats = grpo_update(copy.deepcopy(model), None, torch.optim.SGD(model.parameters(), lr=0.1), trajs, adv, Config(), tok.pad_token_id, 1.0)
-    assert stats["grpo/trained_members"] == 0.0 and stats["loss/total"] == 0.0
+    assert stats["loss/trained_members"] == 0.0 and stats["loss/total"] == 0.0
