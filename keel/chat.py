@@ -229,3 +229,24 @@ def token_tag_labels(pieces: list[str], tags: tuple[str, ...] = CONTROL_TAGS) ->
         for k in range(span.start, span.end):
             labels[k] = span.tag
     return labels
+
+
+def render_conversation(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    """Keel messages (system/user/assistant/tool) as the text the rollout engine builds in token
+    space, ending with an open assistant header. Used by text policies that wrap a model."""
+    out = render_system(messages[0]["content"] if messages and messages[0]["role"] == "system" else "", tools)
+    pending_tools: list[str] = []
+    for m in messages:
+        role = m["role"]
+        if role == "system":
+            continue
+        if role == "tool":
+            pending_tools.append(m["content"])
+            continue
+        if pending_tools:
+            out += f"{IM_START}user" + "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in pending_tools) + f"{IM_END}\n"
+            pending_tools = []
+        out += f"{IM_START}{role}\n{m['content']}{IM_END}\n"
+    if pending_tools:
+        out += f"{IM_START}user" + "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in pending_tools) + f"{IM_END}\n"
+    return out + f"{IM_START}assistant\n"

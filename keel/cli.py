@@ -40,7 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--kb", help="kg: triples file (TSV or |-separated); not needed when --data is a dataset directory")
     e.add_argument("--format", default="auto", help="kg question format: auto | keel | cwq | pathquestion | metaqa")
     e.add_argument("--split", default="dev", help="kg dataset directory: which split to evaluate (train | dev | test)")
-    e.add_argument("--policy", required=True, help="oracle | null | smollm2 | tiny | a local model directory")
+    e.add_argument("--policy", required=True, help="oracle | null | smollm2 | tiny | a local model directory | endpoint (an OpenAI-compatible chat server)")
+    e.add_argument("--base-url", default="", help="policy endpoint: server base URL, e.g. http://localhost:8000/v1")
+    e.add_argument("--endpoint-model", default="", help="policy endpoint: model name sent to the server")
+    e.add_argument("--api-key", default="", help="policy endpoint: API key (default: $OPENAI_API_KEY)")
+    e.add_argument("--call-formats", default="json", help="bfcl/acebench: call formats, the first in-distribution, the rest format-OOD (json, python, python_tagged)")
+    e.add_argument("--heldout-classes", default="", help="bfcl: API classes held out as content-OOD, e.g. TravelAPI,TicketAPI")
     e.add_argument("--categories", default="", help="bfcl/acebench: comma-separated categories (default: all multi-turn / all)")
     e.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions (0: all)")
     e.add_argument("--max-turns", type=int, default=5, help="assistant turns per episode")
@@ -180,11 +185,9 @@ def _eval(args) -> int:
 
     out = Path(args.out)
     if args.env != "kg":
-        from keel.fc.evaluate import run_eval_command
-
         create_run_dir(out)
         try:
-            summary = run_eval_command(args)
+            summary = _fc_eval(args)
         except BaseException:
             _remove_if_fresh_eval(out)
             raise
@@ -197,21 +200,70 @@ def _eval(args) -> int:
     store, tasks = _kg_tasks(args)
     create_run_dir(out)
     env = KGEnv(store)
-    if args.policy in ("oracle", "null"):
-        policy = oracle_policy if args.policy == "oracle" else null_policy
-        means, rows = evaluate_text_policy(env, tasks, policy, args.max_turns)
+    if args.policy in ("oracle", "null", "endpoint"):
+        policy = {"oracle": oracle_policy, "null": null_policy}.get(args.policy) or _endpoint(args, lambda task: env.tools(task))
+        means, rows, trajs = evaluate_text_policy(env, tasks, policy, args.max_turns)
     else:
         from keel.models import load_model
         from keel.rollout import SamplingParams
 
         model, tok = load_model(args.policy)
         params = SamplingParams(greedy=True, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_total_tokens=4096)
-        means, rows, _ = evaluate_model(model, tok, env, tasks, params, args.batch_size)
-    summary = {**means, "n": len(rows), "policy": args.policy, "data": str(args.data)}
+        means, rows, trajs = evaluate_model(model, tok, env, tasks, params, args.batch_size)
+    from keel.diagnostics.errors import decompose_errors
+
+    errors = decompose_errors(trajs, tasks, store)  # paper B's error decomposition, by replaying gold paths
+    summary = {**means, "n": len(rows), "policy": args.policy, "data": str(args.data),
+               "errors": {k: errors[k] for k in ("failed", "counts", "shares", "retrieval_dependent", "retrieval_shares")}}
     write_jsonl(out / "results.jsonl", rows)
     atomic_write_json(out / "summary.json", summary)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _endpoint(args, tools_for):
+    """paper B's GPT-4o control: any OpenAI-compatible chat model through the same tool loop."""
+    import os
+
+    from keel.endpoint import chat, hermes_messages
+
+    if not args.base_url or not args.endpoint_model:
+        raise ValueError("eval --policy endpoint needs --base-url and --endpoint-model")
+    key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
+
+    def policy(task, messages):
+        return chat(args.base_url, args.endpoint_model, hermes_messages(messages, tools_for(task)), api_key=key,
+                    max_tokens=args.max_new_tokens)
+
+    return policy
+
+
+def _fc_eval(args) -> dict:
+    """BFCL / ACEBench through keel.fc.evaluate (bfcl-eval's own checkers), ID and OOD side by side."""
+    from keel.fc.evaluate import _env_for, evaluate_fc
+
+    formats = tuple(f for f in args.call_formats.split(",") if f)
+    categories = [c for c in args.categories.split(",") if c] or None
+    heldout = tuple(c for c in args.heldout_classes.split(",") if c)
+    policy = args.policy
+    if policy not in ("oracle", "null"):
+        if policy == "endpoint":
+            def factory(fmt):
+                return _endpoint(args, lambda task: _env_for(args.env, task, fmt).tools(task))
+        else:
+            from keel.evaluate import model_text_policy
+            from keel.models import load_model
+
+            model, tok = load_model(policy)
+
+            def factory(fmt):
+                return model_text_policy(model, tok, lambda task: _env_for(args.env, task, fmt).tools(task), args.max_new_tokens)
+        factory.is_policy_factory = True
+        policy = factory
+    if args.env == "acebench" and not args.data:
+        raise ValueError("eval --env acebench needs --data DIR (ACEBench's data_en directory)")
+    return evaluate_fc(args.env, policy, data=args.data, categories=categories, out_dir=args.out, call_formats=formats,
+                       heldout_classes=heldout, limit=args.limit or None)
 
 
 def _remove_if_fresh_eval(out: Path) -> None:
@@ -232,7 +284,7 @@ def _data(args) -> int:
         from keel.kg.oracle import oracle_policy
 
         store, tasks = _kg_tasks(args)
-        means, _ = evaluate_text_policy(KGEnv(store), tasks, oracle_policy, 8)
+        means, _, _ = evaluate_text_policy(KGEnv(store), tasks, oracle_policy, 8)
         print(json.dumps({"triples": getattr(store, "num_triples", None), "questions": len(tasks), "oracle": means}, indent=2))
         return 0
     raise ValueError("data: choose an action: kg-synth | check (see `keel data --help`)")

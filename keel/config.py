@@ -113,6 +113,8 @@ class EvalConfig:
     batch_size: int = doc(25, "episodes per batched greedy rollout")
     max_new_tokens: int = doc(96, "tokens per assistant turn at evaluation")
     samples: int = doc(4, "decoded trajectories saved to samples/ at each evaluation")
+    tool_lift_k: int = doc(16, "k of pass@k for tool lift (pass@k with tools − with tools disabled, paper B)")
+    tool_lift_n: int = doc(0, "dev questions (a fixed subset) for tool lift at each evaluation; 0: off (it costs 2·k sampled episodes per question)")
 
 
 @dataclass

@@ -52,10 +52,90 @@ def evaluate_model(
     return eval_metrics(rows), rows, trajs
 
 
-def evaluate_text_policy(env: Env, tasks: Sequence[Task], policy, max_turns: int) -> tuple[dict[str, float], list[dict[str, Any]]]:
+def evaluate_text_policy(env: Env, tasks: Sequence[Task], policy, max_turns: int) -> tuple[dict[str, float], list[dict[str, Any]], list[Trajectory]]:
     """A scripted policy (oracle, null, endpoint) through the same loop and scorer."""
-    rows = []
+    rows, trajs = [], []
     for task in tasks:
-        ep = run_text_episode(env, task, policy, max_turns)
-        rows.append(_record(ep.to_trajectory(), task))
-    return eval_metrics(rows), rows
+        tr = run_text_episode(env, task, policy, max_turns).to_trajectory()
+        rows.append(_record(tr, task))
+        trajs.append(tr)
+    return eval_metrics(rows), rows, trajs
+
+
+def model_text_policy(model, tokenizer, tools_for: Callable[[Task], list], max_new_tokens: int = 256):
+    """A greedy model as a text policy `fn(task, messages) -> str`, for evaluators that drive
+    text policies (function calling with several call formats). Training never uses this path:
+    it re-encodes the conversation each turn, which is fine for evaluation only."""
+    from keel.chat import IM_END, render_conversation
+
+    eos = tokenizer.convert_tokens_to_ids(IM_END)
+
+    @torch.no_grad()
+    def policy(task: Task, messages: list[dict[str, Any]]) -> str:
+        ids = tokenizer.encode(render_conversation(messages, tools_for(task)), add_special_tokens=False)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=tokenizer.pad_token_id)
+        new = out[0, len(ids):].tolist()
+        if new and new[-1] == eos:
+            new = new[:-1]
+        return tokenizer.decode(new, skip_special_tokens=False)
+
+    return policy
+
+
+class ToolsDisabled:
+    """The same environment with its tools taken away (paper B's tool-lift control): no schemas
+    in the prompt, and any call the model still makes answers with an error."""
+
+    def __init__(self, env: Env):
+        self.env = env
+        self.name = f"{env.name}-no-tools"
+
+    def tools(self, task: Task) -> list:
+        return []
+
+    def system_prompt(self, task: Task) -> str:
+        return self.env.system_prompt(task) + "\nNo tools are available: answer from what you know."
+
+    def user_message(self, task: Task) -> str:
+        return self.env.user_message(task)
+
+    def start(self, task: Task):
+        return _NoToolEpisode()
+
+
+class _NoToolEpisode:
+    def execute(self, call):
+        from keel.types import Observation
+
+        return Observation(text="ERROR: no tools are available", ok=False, error="tools_disabled")
+
+    def next_user_message(self):
+        return None
+
+    def close(self):
+        pass
+
+
+def tool_lift_metrics(model, tokenizer, env: Env, tasks: Sequence[Task], params: SamplingParams, k: int,
+                      generator: torch.Generator, batch_size: int = 32) -> dict[str, float]:
+    """pass@k with tools, pass@k with tools disabled and their difference (paper B's tool lift),
+    from k sampled episodes per question in each condition (unbiased pass@k with n = k)."""
+    from keel import metrics as M
+    from keel.diagnostics.episode_metrics import correct_counts, mean_pass_at_k, tool_lift
+
+    sampled = SamplingParams(**{**params.__dict__, "greedy": False})
+    counts = {}
+    for label, e in (("with", env), ("without", ToolsDisabled(env))):
+        rows = [t for t in tasks for _ in range(k)]
+        records = []
+        for s in range(0, len(rows), batch_size):
+            chunk = rows[s : s + batch_size]
+            for task, tr in zip(chunk, rollout(model, tokenizer, e, chunk, sampled, generator=generator)):
+                records.append(_record(tr, task))
+        counts[label] = correct_counts(records)
+    return {
+        M.EVAL_PASS_AT_K_TOOLS: mean_pass_at_k(counts["with"], k),
+        M.EVAL_PASS_AT_K_NO_TOOLS: mean_pass_at_k(counts["without"], k),
+        M.EVAL_TOOL_LIFT: tool_lift(counts["with"], counts["without"], k),
+    }

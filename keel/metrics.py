@@ -79,7 +79,9 @@ EVAL_FORMAT_VALID = "eval/format_valid"  # share of episodes whose every call pa
 EVAL_ANSWERED = "eval/answered"  # share of episodes that produced an <answer>
 EVAL_TOOLS_PER_QUESTION = "eval/tools_per_question"
 EVAL_CVT = "eval/cvt"  # correct and the answer appears verbatim in some tool output
-EVAL_TOOL_LIFT = "eval/tool_lift"
+EVAL_TOOL_LIFT = "eval/tool_lift"  # pass@k with tools − pass@k with tools disabled (paper B)
+EVAL_PASS_AT_K_TOOLS = "eval/pass_at_k_tools"
+EVAL_PASS_AT_K_NO_TOOLS = "eval/pass_at_k_no_tools"
 EVAL_N = "eval/n"
 
 # time/ and mem/

@@ -465,6 +465,15 @@ class Trainer:
         write_jsonl(self.run_dir / "samples" / f"step_{step:06d}.jsonl",
                     [{**tr.to_dict(), "pieces": self.pieces(tr.token_ids), "question": self.tasks_by_id[tr.task_id].question, "label": label}
                      for tr in trajs[: cfg.eval.samples]])
+        if cfg.eval.tool_lift_n > 0:
+            from keel.evaluate import tool_lift_metrics
+
+            sampled = SamplingParams(temperature=cfg.rollout.temperature, max_turns=cfg.rollout.max_turns,
+                                     max_new_tokens=cfg.eval.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
+            # its own seeded generator: tool lift must not shift the training rollouts' randomness
+            lift_gen = torch.Generator().manual_seed(cfg.run.seed * 1000003 + step)
+            means.update(tool_lift_metrics(self.sampler, self.tok, self.env, self.dev[: cfg.eval.tool_lift_n], sampled,
+                                           cfg.eval.tool_lift_k, lift_gen, cfg.eval.batch_size))
         print(f"[keel] step {step} eval ({label}): EM {means[M.EVAL_EM]:.3f}  F1 {means[M.EVAL_F1]:.3f}  "
               f"format-valid {means[M.EVAL_FORMAT_VALID]:.3f}  tools/q {means[M.EVAL_TOOLS_PER_QUESTION]:.2f}", flush=True)
         return means

@@ -112,3 +112,48 @@ def test_help_explains_each_command():
         assert cmd in r.stdout
     r = keel("train", "--help")
     assert "--smoke" in r.stdout and "--set" in r.stdout
+
+
+def test_eval_endpoint_policy_against_a_loopback_chat_server(tmp_path):
+    """Paper B's GPT-4o control: any OpenAI-compatible chat model through the same tool loop."""
+    import http.server
+    import threading
+
+    data = REPO.parent / "shared" / "data" / "kg" / "pathquestion"
+    if not data.exists():
+        pytest.skip("shared PathQuestion data not present")
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body)
+            msgs = body["messages"]
+            # first turn: call a tool; after a tool response: answer from it
+            if msgs[-1]["role"] == "user" and "<tool_response>" in msgs[-1]["content"]:
+                text = "<answer>united_kingdom</answer>"
+            else:
+                text = '<tool_call>\n{"name": "get_tail_relations", "arguments": {"entity": "frederica_of_mecklenburg-strelitz"}}\n</tool_call>'
+            out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = keel("eval", "--env", "kg", "--data", str(data / "PQ-2H.txt"), "--kb", str(data / "2H-kb.txt"), "--policy", "endpoint",
+                 "--base-url", f"http://127.0.0.1:{server.server_address[1]}/v1", "--endpoint-model", "gpt-4o", "--limit", "3",
+                 "--out", str(tmp_path / "ep"))
+    finally:
+        server.shutdown()
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads((tmp_path / "ep" / "summary.json").read_text())
+    assert s["eval/em"] == 1.0 and s["eval/tools_per_question"] == 1.0  # the first 3 PQ-2H questions share that answer
+    assert seen[0]["model"] == "gpt-4o" and "get_tail_relations" in seen[0]["messages"][0]["content"]  # tools in the system message
+    assert "errors" in s and s["errors"]["failed"] == 0
