@@ -15,6 +15,10 @@ from typing import Any
 
 import yaml
 
+if typing.TYPE_CHECKING:  # real imports are lazy: these modules import keel.config
+    from keel.diagnostics.detectors import DetectorConfig
+    from keel.signals.schedule import SignalsConfig
+
 
 class ConfigError(ValueError):
     """A bad config: unknown key, wrong type, unreadable preset. The message is one line."""

@@ -36,7 +36,7 @@ from keel.models import DTYPES, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
 from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, create_run_dir, swap_dir, truncate_jsonl_lines, write_jsonl
 from keel.sft import SFTExample, collate_sft, decompose, gold_trajectory
-from keel.types import Source, Task, Trajectory
+from keel.types import Source, Trajectory
 
 
 def _progress(total: int, desc: str, enabled: bool):

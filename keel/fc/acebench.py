@@ -19,8 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from keel.fc.parse import parse_calls
-from keel.types import Observation, Task, ToolCall
+from keel.fc.parse import AnswerOnceEpisode
+from keel.types import Task, ToolCall
 
 DEFAULT_DATA_DIR = Path("/work/shared/data/acebench_sample/data_en")
 WEIGHTS = {"special": 0.2676, "normal": 0.578, "agent": 0.1545}
@@ -315,31 +315,11 @@ def acebench_overall(acc: dict[str, float], counts: dict[str, int]) -> dict[str,
 # Env
 
 
-class AceBenchEpisode:
+class AceBenchEpisode(AnswerOnceEpisode):
     """One ACEBench item: the first assistant message is the answer; judged at close()."""
 
-    def __init__(self, task: Task, call_format: str):
-        self.task = task
-        self.call_format = call_format
-        self.text: str | None = None
-        self.calls: list[ToolCall] = []
-        self.info: dict[str, Any] = {}
-
-    def parse(self, text: str) -> list[ToolCall]:
-        calls = parse_calls(text, self.call_format)
-        if self.text is None:
-            self.text, self.calls = text, list(calls)
-        return calls
-
-    def execute(self, call: ToolCall) -> Observation:
-        return Observation(text="Function call recorded.", ok=call.error is None, error=call.error)
-
-    def next_user_message(self) -> str | None:
-        return None
-
-    def close(self) -> None:
-        valid, err = score_answer(self.task, self.text or "", self.calls)
-        self.info = {"checker_valid": valid, "checker_error_type": err}
+    def judge(self) -> tuple[bool, str | None]:
+        return score_answer(self.task, self.text or "", self.calls)
 
 
 class AceBenchEnv:

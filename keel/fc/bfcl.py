@@ -32,7 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from keel.fc.parse import CallParseError, canonical_call, parse_calls, parse_python_calls
+from keel.fc.parse import AnswerOnceEpisode, CallParseError, canonical_call, parse_calls, parse_python_calls
 from keel.types import Observation, Task, ToolCall
 
 import bfcl_eval
@@ -649,33 +649,13 @@ def check_single_turn(task: Task, calls: list[ToolCall]) -> tuple[bool, dict[str
     return valid, {"error_type": None if valid else result.get("error_type")}
 
 
-class SingleTurnEpisode:
+class SingleTurnEpisode(AnswerOnceEpisode):
     """One single-turn answer: the calls of the first assistant message are recorded (not run:
     BFCL's single-turn categories are scored by AST, without execution) and judged at close()."""
 
-    def __init__(self, task: Task, call_format: str):
-        self.task = task
-        self.call_format = call_format
-        self.calls: list[ToolCall] = []
-        self.info: dict[str, Any] = {}
-        self._answered = False
-
-    def parse(self, text: str) -> list[ToolCall]:
-        calls = parse_calls(text, self.call_format)
-        if not self._answered:
-            self.calls = list(calls)
-            self._answered = True
-        return calls
-
-    def execute(self, call: ToolCall) -> Observation:
-        return Observation(text="Function call recorded.", ok=call.error is None, error=call.error)
-
-    def next_user_message(self) -> str | None:
-        return None
-
-    def close(self) -> None:
+    def judge(self) -> tuple[bool, str | None]:
         valid, details = check_single_turn(self.task, self.calls)
-        self.info = {"checker_valid": valid, "checker_error_type": details.get("error_type")}
+        return valid, details.get("error_type")
 
 
 class BfclSingleTurnEnv:

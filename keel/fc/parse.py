@@ -315,3 +315,37 @@ def render_calls(calls: list[dict[str, Any]], call_format: str = "json") -> str:
 def json_safe(v: Any) -> Any:
     """Tuples as lists, for writing results to JSON files."""
     return json.loads(json.dumps(v, default=str))
+
+
+class AnswerOnceEpisode:
+    """A single-answer episode (BFCL single-turn, ACEBench): the first assistant message is the
+    answer; its calls are recorded, not run (these benchmarks judge by AST), and `judge` scores
+    them at close(), filling `info["checker_valid"]`."""
+
+    def __init__(self, task, call_format: str):
+        self.task = task
+        self.call_format = call_format
+        self.text: str | None = None
+        self.calls: list = []
+        self.info: dict = {}
+
+    def parse(self, text: str) -> list:
+        calls = parse_calls(text, self.call_format)
+        if self.text is None:
+            self.text, self.calls = text, list(calls)
+        return calls
+
+    def execute(self, call):
+        from keel.types import Observation
+
+        return Observation(text="Function call recorded.", ok=call.error is None, error=call.error)
+
+    def next_user_message(self) -> str | None:
+        return None
+
+    def judge(self) -> tuple[bool, str | None]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        valid, error_type = self.judge()
+        self.info = {"checker_valid": valid, "checker_error_type": error_type}

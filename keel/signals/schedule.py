@@ -29,10 +29,7 @@ KINDS = ("sft", "ets", "reflection")
 PARADIGMS = ("synchronous", "interleaved")
 
 
-def _doc(default, help: str):
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+from keel.config import doc as _doc  # the one field-with-documentation helper
 
 
 # --- the `signals:` config section ------------------------------------------------------------------
