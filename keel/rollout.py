@@ -85,7 +85,9 @@ class _Row:
 
 
 def _forward(model, input_ids, attn, positions, cache):
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True)
+    # logits_to_keep=1: only the last column's logits are used; a 60-token tool block at batch 16
+    # would otherwise materialise 16×60×49k logits
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1, :].float(), out.past_key_values
 
 
@@ -105,7 +107,7 @@ def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, obj
         lcp += 1
     if lcp == 0:
         return _prefill_each(model, prompts, device)
-    out = model(input_ids=torch.tensor([first[:lcp]], device=device), use_cache=True)
+    out = model(input_ids=torch.tensor([first[:lcp]], device=device), use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     cache.batch_repeat_interleave(B)
     rest = [p[lcp:] for p in prompts]
@@ -133,7 +135,7 @@ def _prefill_each(model, prompts: list[list[int]], device) -> tuple[torch.Tensor
     per_prompt = []
     for p in distinct:
         ids = torch.tensor([list(p)], device=device)
-        out = model(input_ids=ids, use_cache=True)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         per_prompt.append((out.logits[:, -1, :].float(), kv, len(p)))
     max_len = max(n for _, _, n in per_prompt)
