@@ -1,15 +1,17 @@
 """The training loop, top to bottom: optional SFT warm-start, then GRPO with evaluation.
 
     eval (untrained) → SFT on gold trajectories (paper A's single-step decomposition)
-    → eval → reference := policy → repeat: rollout groups → rewards → group advantages
-    → clipped surrogate + KL → update → telemetry → [eval, peak checkpoint] → latest checkpoint
+    → eval → reference := policy → repeat: rollout groups (+ hints, expert members) → rewards
+    → group advantages → clipped surrogate + KL (+ synchronous supervision losses) → update
+    → telemetry → detectors → [eval, peak checkpoint] → [interleaved supervision phase] → latest
 
-Where this departs from the papers: the reference model for the KL term is the policy right
-after the SFT warm-start (as in paper A's SFT→GRPO, where the SFT model is the starting point);
-one optimizer step per rollout batch, so the importance ratio is 1 at the step (old log-probs
-are the sampling log-probs; tests check they equal a recomputation) and clipping acts only
-through the ratio's gradient; groups whose rewards are all equal are skipped when
-`grpo.skip_zero_advantage` (their policy-gradient term is exactly zero).
+Supervision signals (keel/signals) change which data enters which loss at which step; they
+do not change this structure. Where this departs from the papers: the KL reference is the
+policy right after the SFT warm-start (paper A's SFT→GRPO starts from the SFT model); there is
+one optimizer step per rollout batch, so the importance ratio is 1 at the step and the PPO clip
+never binds (old log-probs are the sampling log-probs, which tests check equal a recomputation;
+with a bf16 sampler or autocast they are the fp32 policy's own); groups whose rewards are all
+equal are skipped when `grpo.skip_zero_advantage` (their policy-gradient term is exactly zero).
 """
 
 from __future__ import annotations
@@ -852,10 +854,6 @@ def _rollback(model, run: Path, cfg: Config, overrides: dict[str, str]) -> int |
 
             set_key(cfg, key, yaml.safe_load(value) if isinstance(value, str) else value)
     return int(json.loads((peak / "trainer_state.json").read_text())["step"])
-
-
-def _share(flags: list[bool]) -> float:
-    return sum(flags) / len(flags) if flags else 1.0
 
 
 def _telemetry(sink: list, pieces: PieceCache) -> dict[str, float]:

