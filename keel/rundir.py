@@ -117,6 +117,23 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def iter_jsonl_strict(path: Path, what: str = "data file"):
+    """(line number, parsed JSON) for each non-blank line of an input file; a missing file or a
+    bad line is a one-line error naming the file and line (inputs must be whole, unlike the
+    run directory's own logs, which `read_jsonl` reads leniently)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+
+
 def truncate_jsonl_lines(path: Path, n: int) -> None:
     """Keep the first n complete lines (on resume, lines written after the checkpoint are redone)."""
     path = Path(path)

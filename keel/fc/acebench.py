@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.fc.parse import AnswerOnceEpisode
+from keel.rundir import iter_jsonl_strict
 from keel.types import Task, ToolCall
 
 DEFAULT_DATA_DIR = Path("/work/shared/data/acebench_sample/data_en")
@@ -45,17 +46,10 @@ def category_of(path: Path) -> str:
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict) or "id" not in row:
-                raise ValueError(f"{path}:{lineno}: expected an object with an 'id'")
-            rows.append(row)
+    for lineno, row in iter_jsonl_strict(path, "ACEBench data file"):
+        if not isinstance(row, dict) or "id" not in row:
+            raise ValueError(f"{path}:{lineno}: expected an object with an 'id'")
+        rows.append(row)
     return rows
 
 

@@ -32,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from keel.rundir import iter_jsonl_strict
 from keel.fc.parse import AnswerOnceEpisode, CallParseError, canonical_call, parse_calls, parse_python_calls
 from keel.types import Observation, Task, ToolCall
 
@@ -67,18 +68,7 @@ def _data_file(category: str, answer: bool = False) -> Path:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        raise FileNotFoundError(f"BFCL data file not found: {path}")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-    return rows
+    return [row for _, row in iter_jsonl_strict(path, "BFCL data file")]
 
 
 @lru_cache(maxsize=None)

@@ -16,13 +16,13 @@ episodes of a question (same token ids) are kept once.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
 from keel.diagnostics.episode_metrics import episode_record, is_valid_call
 from keel.rewards import is_empty_observation
+from keel.rundir import iter_jsonl_strict
 from keel.sft import SFTExample, decompose
 from keel.types import Source, Task, Trajectory
 
@@ -114,16 +114,10 @@ def write_trajectories(path: str | Path, trajs: Sequence[Trajectory]) -> None:
 def read_trajectories(path: str | Path) -> list[Trajectory]:
     """Trajectories written by `write_trajectories`; a missing file or a bad line is a one-line
     error naming the file and line."""
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"signals.self_distill.trajectories: file not found: {p}")
     out = []
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(Trajectory.from_dict(json.loads(line)))
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{p}:{lineno}: not a trajectory ({type(exc).__name__}: {str(exc)[:80]})") from None
+    for lineno, row in iter_jsonl_strict(Path(path), "signals.self_distill.trajectories: file"):
+        try:
+            out.append(Trajectory.from_dict(row))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{path}:{lineno}: not a trajectory ({type(exc).__name__}: {str(exc)[:80]})") from None
     return out
