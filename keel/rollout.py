@@ -43,29 +43,37 @@ class SamplingParams:
     max_total_tokens: int = 2048  # whole episode, prompt included
 
 
-def encode_prompt(tokenizer, env: Env, task: Task, hint: str | None = None) -> tuple[list[int], list[int]]:
+HINT_POSITIONS = ("system", "user")
+
+
+def encode_prompt(tokenizer, env: Env, task: Task, hint: str | None = None, position: str = "system") -> tuple[list[int], list[int]]:
     """(ids, sources) of system + first user message + assistant header.
 
-    The prompt is encoded in parts so that a hint can be cut out exactly: part A (system header
-    and instructions), optional hint part (Source.HINT), part B (tools, user, assistant header).
-    The hint-free prompt is A + B with the very same ids, which is what the loss sees.
+    Encoded in parts so that a hint can be cut out exactly: A (system header and instructions),
+    B (tools listing, user header and message), C (<|im_end|> and the assistant header). A hint
+    (Source.HINT) goes after A ("system": it closes the instructions, as in paper A's code) or
+    after B ("user": appended to the question). Dropping the hint leaves A + B + C, the very
+    ids of the hint-free prompt, which is what the loss sees. Parts B and C meet at a special
+    token, so encoding them apart gives the same ids as encoding them together.
     """
+    if position not in HINT_POSITIONS:
+        raise ValueError(f"signals.hint.position: {position!r} is not one of {HINT_POSITIONS}")
     tools = env.tools(task)
-    part_a = f"{IM_START}system\n{env.system_prompt(task)}"
+    part_b = ""
     if tools:
-        schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        part_b = "\n\n" + TOOLS_PREAMBLE + schemas + TOOLS_POSTAMBLE
-    else:
-        part_b = ""
-    part_b += f"{IM_END}\n{IM_START}user\n{env.user_message(task)}{IM_END}\n{IM_START}assistant\n"
-    ids = tokenizer.encode(part_a, add_special_tokens=False)
-    sources = [Source.PROMPT] * len(ids)
+        part_b = "\n\n" + TOOLS_PREAMBLE + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + TOOLS_POSTAMBLE
+    part_b += f"{IM_END}\n{IM_START}user\n{env.user_message(task)}"
+    parts = [(f"{IM_START}system\n{env.system_prompt(task)}", Source.PROMPT), (part_b, Source.PROMPT)]
     if hint:
-        h = tokenizer.encode("\n\n" + hint, add_special_tokens=False)
-        ids += h
-        sources += [Source.HINT] * len(h)
-    b = tokenizer.encode(part_b, add_special_tokens=False)
-    return ids + b, sources + [Source.PROMPT] * len(b)
+        parts.insert(1 if position == "system" else 2, ("\n\n" + hint, Source.HINT))
+    parts.append((f"{IM_END}\n{IM_START}assistant\n", Source.PROMPT))
+    ids: list[int] = []
+    sources: list[int] = []
+    for text, source in parts:
+        piece = tokenizer.encode(text, add_special_tokens=False)
+        ids += piece
+        sources += [int(source)] * len(piece)
+    return ids, sources
 
 
 @dataclass
@@ -201,13 +209,7 @@ def rollout(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     rows: list[_Row] = []
     for i, task in enumerate(tasks):
-        hint = hints[i] if hints else None
-        if hint and hint_position != "system":  # lazy import: keel.signals.hints imports this module
-            from keel.signals.hints import encode_prompt_with_hint
-
-            ids, sources = encode_prompt_with_hint(tokenizer, env, task, hint, hint_position)
-        else:
-            ids, sources = encode_prompt(tokenizer, env, task, hint)
+        ids, sources = encode_prompt(tokenizer, env, task, hints[i] if hints else None, hint_position)
         traj = Trajectory(task_id=task.id, token_ids=[], sources=[], logprobs=[], group=groups[i] if groups else -1)
         rows.append(_Row(task=task, episode=env.start(task), ids=ids, sources=sources, logprobs=[0.0] * len(ids), traj=traj))
     t0 = time.perf_counter()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import keel.rollout
 from keel.fc.bfcl import BfclEnv
 from keel.fc.learnable import generate_tasks
 from keel.logprobs import collate, token_logprobs
@@ -65,18 +64,17 @@ def test_strip_hints_by_hand():
 
 
 @pytest.mark.parametrize("position", ["system", "user"])
-def test_loss_sees_the_hint_free_sequence(tiny, monkeypatch, position):
+def test_loss_sees_the_hint_free_sequence(tiny, position):
     """Rows with hints of different lengths and a row without: the collated (trained) batch has
     no hint token, and its log-probs equal each trajectory re-encoded without the hint, alone."""
     model, tok = tiny
-    monkeypatch.setattr(keel.rollout, "encode_prompt", lambda t, e, task, hint=None: encode_prompt_with_hint(t, e, task, hint, position))
     task = kg_task()
     rows = [task, task, task]
     hints = ["Hint: the first hop is film.film.directed_by, the second people.person.place_of_birth.", None, "Hint: m.film."]
     params = SamplingParams(temperature=1.0, max_turns=2, max_new_tokens=64, max_total_tokens=4096)
     steer = gold_steer(tok, KG_ENV, rows, [0, 1, 2])
     first_turn_only = lambda row, turn: steer(row, turn) if turn == 0 else None  # noqa: E731 - gold call, then a sampled turn
-    trajs = rollout(model, tok, KG_ENV, rows, params, generator=torch.Generator().manual_seed(0), hints=hints, steer=first_turn_only, groups=[0, 0, 0])
+    trajs = rollout(model, tok, KG_ENV, rows, params, generator=torch.Generator().manual_seed(0), hints=hints, steer=first_turn_only, groups=[0, 0, 0], hint_position=position)
     n_hint = [sum(s == Source.HINT for s in tr.sources) for tr in trajs]
     assert n_hint[0] > n_hint[2] > 0 and n_hint[1] == 0
     assert all(any(s == Source.TOOL for s in tr.sources) and len(tr.turn_spans) == 2 for tr in trajs)

@@ -23,11 +23,9 @@ import copy
 import json
 from typing import Any, Callable, Sequence
 
-from keel.chat import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE
-from keel.rollout import encode_prompt
+from keel.rollout import HINT_POSITIONS, encode_prompt
 from keel.types import Env, Source, Task, Trajectory
 
-HINT_POSITIONS = ("system", "user")
 
 
 # --- hint texts -----------------------------------------------------------------------------------
@@ -105,31 +103,9 @@ def build_hint(task: Task, env: Env | None, kinds: Sequence[str]) -> str | None:
 
 
 def encode_prompt_with_hint(tokenizer, env: Env, task: Task, hint: str | None, position: str = "system") -> tuple[list[int], list[int]]:
-    """(ids, sources) of the prompt with the hint at `position`, hint tokens sourced HINT.
-
-    "system" is `keel.rollout.encode_prompt` (the hint closes the system instructions, before
-    the tools listing, as in paper A's code). "user" appends it to the first user message.
-    Either way, dropping the HINT tokens leaves exactly the hint-free prompt's ids (tested).
-    """
-    if position not in HINT_POSITIONS:
-        raise ValueError(f"signals.hint.position: {position!r} is not one of {HINT_POSITIONS}")
-    if position == "system" or not hint:
-        return encode_prompt(tokenizer, env, task, hint)
-    # Same text as encode_prompt, cut after the user message instead of the system instructions.
-    tools = env.tools(task)
-    head = f"{IM_START}system\n{env.system_prompt(task)}"
-    if tools:
-        schemas = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        head_tools = "\n\n" + TOOLS_PREAMBLE + schemas + TOOLS_POSTAMBLE
-    else:
-        head_tools = ""
-    ids_a = tokenizer.encode(head, add_special_tokens=False)
-    ids_b = tokenizer.encode(head_tools + f"{IM_END}\n{IM_START}user\n{env.user_message(task)}", add_special_tokens=False)
-    ids_h = tokenizer.encode("\n\n" + hint, add_special_tokens=False)
-    ids_c = tokenizer.encode(f"{IM_END}\n{IM_START}assistant\n", add_special_tokens=False)
-    ids = ids_a + ids_b + ids_h + ids_c
-    sources = [Source.PROMPT] * (len(ids_a) + len(ids_b)) + [Source.HINT] * len(ids_h) + [Source.PROMPT] * len(ids_c)
-    return ids, [int(s) for s in sources]
+    """(ids, sources) of the prompt with the hint at `position` ("system" or "user"), hint tokens
+    sourced HINT; `keel.rollout.encode_prompt` does the work (one layout for every caller)."""
+    return encode_prompt(tokenizer, env, task, hint, position)
 
 
 def strip_hints(traj: Trajectory) -> Trajectory:
