@@ -281,23 +281,8 @@ class KGEpisode:
         return Observation(text=text, ok=False, error=kind, items=[])
 
     def _resolve_entity(self, text: str) -> str | None:
-        """An id as written; else "Name (m.id)" as shown in observations; else, when names are
-        accepted (accept_names or readable_ids), a name."""
-        store = self.env.store
-        text = text.strip()
-        if store.has_entity(text):
-            return text
-        parts = split_display(text)
-        if parts and store.has_entity(parts[1]):
-            return parts[1]
         c = self.env.config
-        if c.accept_names or c.readable_ids:
-            resolve = getattr(store, "resolve", None)
-            if callable(resolve):
-                found = resolve(text)
-                if found is not None and store.has_entity(found):
-                    return found
-        return None
+        return resolve_entity(self.env.store, text, accept_names=c.accept_names or c.readable_ids)
 
     def _resolve_relation(self, text: str) -> str | None:
         text = text.strip()
@@ -326,6 +311,23 @@ def _hint(env: KGEnv, task: Task, progress: int) -> str:
     keys = sorted(_turn_keys(env, task.gold_turns[progress]))
     parts = [f"{verb} with {relation}" if relation else verb for verb, relation in keys]
     return "Hint: next use " + "; ".join(parts) + "."
+
+
+def resolve_entity(store, text: str, accept_names: bool) -> str | None:
+    """The entity id meant by `text`: an id as written; else "Name (m.id)" as shown in
+    observations; else, with `accept_names`, a name the store resolves. None if none exists."""
+    text = text.strip()
+    if store.has_entity(text):
+        return text
+    parts = split_display(text)
+    if parts and store.has_entity(parts[1]):
+        return parts[1]
+    resolve = getattr(store, "resolve", None)
+    if accept_names and callable(resolve):
+        found = resolve(text)
+        if found is not None and store.has_entity(found):
+            return found
+    return None
 
 
 def split_display(text: str) -> tuple[str, str] | None:

@@ -177,20 +177,12 @@ class RuleAnalyzer:
 
     # -- KG -------------------------------------------------------------------------------------
     def _entity_id(self, text: Any) -> str:
-        from keel.kg.env import split_display
+        from keel.kg.env import resolve_entity
 
-        store = self.env.store
         if not isinstance(text, str):
             return ""
-        s = text.strip()
-        if store.has_entity(s):
-            return s
-        parts = split_display(s)
-        if parts and store.has_entity(parts[1]):
-            return parts[1]
-        resolve = getattr(store, "resolve", None)
-        found = resolve(s) if callable(resolve) else None
-        return found if isinstance(found, str) and store.has_entity(found) else s
+        # the analyzer reads whatever the model wrote, so names always count
+        return resolve_entity(self.env.store, text, accept_names=True) or text.strip()
 
     def _kg(self, traj: Trajectory, task: Task) -> tuple[int, str, str]:
         gold_calls = [c for turn in task.gold_turns for c in turn]
