@@ -25,6 +25,7 @@ class Batch:
     target_mask: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
+    sources: torch.Tensor  # [B, T] keel.types.Source of each kept token (-1 on padding)
 
 
 def collate(
@@ -58,16 +59,18 @@ def collate(
     tmask = torch.zeros(B, T, dtype=torch.bool)
     old = torch.zeros(B, T)
     adv = torch.zeros(B, T)
-    for b, (tok, src, lps) in enumerate(seqs):
+    src = torch.full((B, T), -1, dtype=torch.long)
+    for b, (tok, srcs, lps) in enumerate(seqs):
         n = len(tok)
         ids[b, :n] = torch.tensor(tok)
         attn[b, :n] = 1
-        tmask[b, :n] = torch.tensor([s in sources for s in src])
+        tmask[b, :n] = torch.tensor([s in sources for s in srcs])
         old[b, :n] = torch.tensor(lps)
+        src[b, :n] = torch.tensor(srcs)
         if advantages is not None:
             adv[b, :n] = advantages[b]
     tmask[:, 0] = False
-    return Batch(ids, attn, tmask, old, adv)
+    return Batch(ids, attn, tmask, old, adv, src)
 
 
 MIN_SHARED_PREFIX = 32  # below this, encoding the prefix separately saves less than it costs

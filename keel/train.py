@@ -157,11 +157,7 @@ def grpo_update(
         old = batch.old_logprobs[batch.target_mask]
         # Expert tokens (off-policy supervision) were not sampled: their "old" log-prob is the
         # current policy's, taken before the update (ratio 1 at this step, as in paper A).
-        src = torch.zeros_like(batch.target_mask, dtype=torch.long)
-        for b, i in enumerate(idx):
-            kept = [x for x in trajectories[i].sources if x != Source.HINT]
-            src[b, : len(kept)] = torch.tensor(kept)
-        expert = (src == Source.EXPERT)[batch.target_mask]
+        expert = (batch.sources == Source.EXPERT)[batch.target_mask]
         if cfg.signals.hint.enabled and cfg.signals.hint.recompute_old_logprobs:
             # A hinted row was sampled with the hint in context; its sampling log-probs are
             # π(·|hint). The loss sees the hint-free context, so take "old" from π(·|no hint)
