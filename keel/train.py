@@ -316,8 +316,8 @@ def train(cfg: Config, out_dir: Path, resume: bool = False) -> dict[str, Any]:
 
     out_dir = Path(out_dir)
     if resume:
-        if complete_checkpoint(out_dir / "checkpoints" / "latest") is None:
-            raise RunDirError(f"--resume {out_dir}: no complete checkpoints/latest to resume from")
+        if not (out_dir / "config.yaml").exists():
+            raise RunDirError(f"--resume {out_dir}: no config.yaml (not a Keel run directory)")
         run = out_dir
     else:
         run = create_run_dir(out_dir)
@@ -540,12 +540,25 @@ class Trainer:
         truncate_jsonl_lines(self.run_dir / "alerts.jsonl", self.p.alerts_lines)
         print(f"[keel] resumed {self.run_dir} at step {self.p.step} ({self.p.phase})", flush=True)
 
+    def restart(self) -> None:
+        """Resume of a run killed before any complete checkpoint: nothing trained is lost, so run
+        again from step 0 (same config, same seed) over what the killed process left."""
+        import shutil
+
+        for name in ("checkpoints", "samples", "eval"):
+            shutil.rmtree(self.run_dir / name, ignore_errors=True)
+        truncate_jsonl_lines(self.run_dir / "metrics.jsonl", 0)
+        truncate_jsonl_lines(self.run_dir / "alerts.jsonl", 0)
+        print(f"[keel] {self.run_dir} has no complete checkpoint yet: starting it again from step 0", flush=True)
+
     # ---- the loop -------------------------------------------------------------------------
     def run(self, resume: bool) -> dict[str, Any]:
         cfg, p = self.cfg, self.p
-        if resume:
+        if resume and complete_checkpoint(self.run_dir / "checkpoints" / "latest") is not None:
             self.restore()
             p = self.p
+        elif resume:  # killed before its first checkpoint was complete: start over in the same directory
+            self.restart()
         # 1. the untrained model
         if p.phase == "start":
             if cfg.eval.before_sft:

@@ -33,18 +33,21 @@ def _lines(run: Path) -> list[dict]:
     return out
 
 
-def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
-    straight = tmp_path / "straight"
-    r = subprocess.run(_cmd("configs/smoke.yaml", "--out", str(straight), *ARGS), cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = tmp_path_factory.mktemp("resume") / "straight"
+    r = subprocess.run(_cmd("configs/smoke.yaml", "--out", str(run), *ARGS), cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
-    expected = _lines(straight)
+    expected = _lines(run)
     assert len(expected) >= 7  # eval, 3 sft, eval, 3 rl
+    return expected
 
-    killed = tmp_path / "killed"
-    cut = random.Random(os.getpid()).randint(2, len(expected) - 2)  # a random step, SFT or RL
-    proc = subprocess.Popen(_cmd("configs/smoke.yaml", "--out", str(killed), *ARGS), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+
+def _kill_after(run: Path, cut: int) -> None:
+    """Start the smoke run into `run` and SIGKILL it once metrics.jsonl has `cut` lines."""
+    proc = subprocess.Popen(_cmd("configs/smoke.yaml", "--out", str(run), *ARGS), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
     deadline = time.time() + 240
-    metrics = killed / "metrics.jsonl"
+    metrics = run / "metrics.jsonl"
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= cut:
             proc.send_signal(signal.SIGKILL)
@@ -52,9 +55,9 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
         time.sleep(0.02)
     proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    r = subprocess.run(_cmd("--resume", str(killed)), cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = _lines(killed)
+
+
+def _assert_same(got: list[dict], expected: list[dict]) -> None:
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert a.keys() == b.keys()
@@ -65,12 +68,23 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
                 assert a[k] == b[k], (a["step"], k)
 
 
-def test_resume_without_checkpoint_is_a_one_line_error(tmp_path):
+@pytest.mark.parametrize("where", ["random step", "before the first checkpoint"])
+def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, straight, where):
+    # "before the first checkpoint": killed once the first line (the eval before SFT) is out,
+    # while step 1 runs or its checkpoint is being written; resume starts over from step 0
+    cut = random.Random(os.getpid()).randint(2, len(straight) - 2) if where == "random step" else 1
+    killed = tmp_path / "killed"
+    _kill_after(killed, cut)
+    r = subprocess.run(_cmd("--resume", str(killed)), cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
+    assert r.returncode == 0, r.stderr[-2000:]
+    _assert_same(_lines(killed), straight)
+
+
+def test_resume_of_a_directory_that_is_not_a_run_is_a_one_line_error(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text("model:\n  name: tiny\n")
     r = subprocess.run(_cmd("--resume", str(run)), cwd=REPO, capture_output=True, text=True, timeout=120, env=ENV)
-    assert r.returncode == 2 and "no complete checkpoints/latest" in r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "no config.yaml" in r.stderr.strip().splitlines()[-1]
 
 
 _WRITER = r"""
