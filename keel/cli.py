@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -126,6 +127,8 @@ def _train(args) -> int:
         from keel.train import train
 
         summary = train(cfg, run, resume=True)
+        if os.environ.get("RANK", "0") != "0":
+            return 0
         print(json.dumps({k: summary[k] for k in ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s") if k in summary}, indent=2))
         print(f"[keel] run directory: {run}")
         return 0
@@ -133,15 +136,29 @@ def _train(args) -> int:
         raise ValueError("train: give a config preset, e.g. `keel train configs/main.yaml` (see --help)")
     cfg = load_config(args.config, args.overrides, smoke=args.smoke)
     name = Path(args.config).stem + ("-smoke" if args.smoke else "")
-    out = Path(args.out) if args.out else default_run_dir(cfg.run.out, name)
-    create_run_dir(out)  # refuse an existing run before loading anything
+    from keel.distributed import broadcast_object, init_distributed
+
+    ctx = init_distributed()  # one process unless started by torchrun / accelerate launch
+    out, problem = None, None
+    if ctx.is_main:  # rank 0 chooses and checks the run directory; the others are told the outcome
+        out = Path(args.out) if args.out else default_run_dir(cfg.run.out, name)
+        try:
+            create_run_dir(out)  # refuse an existing run before loading anything
+        except Exception as e:
+            problem = e
+    out, problem = broadcast_object((out, problem), ctx)
+    if problem is not None:
+        raise problem
     from keel.train import train
 
     try:
-        summary = train(cfg, out)
+        summary = train(cfg, out, ctx=ctx)
     except BaseException:
-        _remove_if_fresh(out)
+        if ctx.is_main:
+            _remove_if_fresh(out)
         raise
+    if not ctx.is_main:
+        return 0
     print(json.dumps({k: summary[k] for k in ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s") if k in summary}, indent=2))
     print(f"[keel] run directory: {out}")
     return 0

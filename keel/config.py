@@ -101,6 +101,7 @@ class GRPOConfig:
     micro_batch_size: int = doc(8, "sequences per forward/backward (gradient accumulation; loss is identical)")
     max_grad_norm: float = doc(1.0, "gradient clipping norm")
     weight_decay: float = doc(0.0, "AdamW weight decay")
+    adam_eps: float = doc(1e-8, "AdamW epsilon of every optimizer in the run (SFT, RL, supervision phases)")
     skip_zero_advantage: bool = doc(True, "do not forward members whose advantage is 0 (uniform groups): their policy-gradient term is exactly 0; their KL term is dropped too")
 
 

@@ -41,6 +41,7 @@ Used from the training loop as (see the report of issue 7 for the exact wiring):
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -269,3 +270,26 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_object(obj: Any, ctx: DistContext) -> Any:
+    """Rank 0's `obj` on every rank (e.g. the run directory rank 0 chose)."""
+    if not ctx.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(ctx: DistContext) -> None:
+    """Wait for every rank (e.g. until rank 0 has written a checkpoint the others will read)."""
+    if ctx.enabled:
+        dist.barrier()
+
+
+def row_seed(seed: int, step: int, group: int, member: int) -> int:
+    """The sampling seed of one rollout row: a hash of (run seed, RL step, group, member), so a
+    row samples the same tokens whichever rank or batch it lands in, and a resumed run needs no
+    generator state. 64 bits of BLAKE2b over the four numbers: distinct rows get distinct seeds."""
+    key = f"{seed}:{step}:{group}:{member}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # < 2**63

@@ -168,10 +168,25 @@ def _prefill_each(model, prompts: list[list[int]], device) -> tuple[torch.Tensor
     return logits, cache, attn
 
 
-def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _uniforms(n: int, generator, active: Sequence[bool] | None, device) -> torch.Tensor:
+    """[n, 1] uniforms: from one generator for the batch, or one draw from each active row's own
+    generator (inactive rows draw nothing, so a row's samples do not depend on its batch)."""
+    if not isinstance(generator, (list, tuple)):
+        return torch.rand(n, 1, generator=generator, device=device)
+    if len(generator) != n:
+        raise ValueError(f"rollout: {len(generator)} generators for {n} rows")
+    u = torch.zeros(n, 1)
+    for i, g in enumerate(generator):
+        if active is None or active[i]:
+            u[i, 0] = torch.rand(1, generator=g)
+    return u.to(device)
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, generator, active: Sequence[bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by inverse CDF (cheaper than multinomial over 49k entries).
 
     logits: [B, V] fp32 → (tokens [B], log-probs [B] under the temperature-scaled distribution).
+    `generator`: one torch.Generator, or a list with one per row (see `_uniforms`).
     """
     if params.greedy:
         logp = torch.log_softmax(logits, dim=-1)
@@ -179,7 +194,7 @@ def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
         return tok, logp.gather(1, tok[:, None])[:, 0]
     logp = torch.log_softmax(logits / params.temperature, dim=-1)
     cdf = torch.cumsum(logp.exp(), dim=-1)
-    u = torch.rand(logits.shape[0], 1, generator=generator, device=logits.device) * cdf[:, -1:]
+    u = _uniforms(logits.shape[0], generator, active, logits.device) * cdf[:, -1:]
     tok = torch.searchsorted(cdf, u)[:, 0].clamp_(max=logits.shape[1] - 1)
     return tok, logp.gather(1, tok[:, None])[:, 0]
 
@@ -191,7 +206,7 @@ def rollout(
     env: Env,
     tasks: Sequence[Task],
     params: SamplingParams,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     hints: Sequence[str | None] | None = None,
     steer: Callable[[int, int], list[int] | None] | None = None,
     groups: Sequence[int] | None = None,
@@ -201,6 +216,9 @@ def rollout(
 
     `steer(row, turn) -> ids | None` forces the given ids for that turn (tests use it to make a
     random model emit valid calls); the stored log-probs are still the model's for those ids.
+    `generator`: one for the whole batch, or one per row; with one per row a row's samples depend
+    only on its generator and the weights, not on which other rows share its batch (data-parallel
+    ranks then sample what one process would, up to floating-point ties).
     """
     device = next(model.parameters()).device
     was_training = model.training
@@ -226,7 +244,7 @@ def rollout(
                     r.turn_start = len(r.ids)
                     r.forced = steer(i, r.turn) if steer else None
             while True:
-                tok, logp = _choose(logits, params, generator)
+                tok, logp = _choose(logits, params, generator, gen)
                 feed = torch.full((B, 1), pad, dtype=torch.long, device=device)
                 col = torch.zeros(B, 1, dtype=torch.long, device=device)
                 positions = torch.zeros(B, 1, dtype=torch.long, device=device)

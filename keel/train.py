@@ -31,6 +31,8 @@ import torch
 
 from keel import metrics as M
 from keel.config import Config, dump_yaml
+from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
+                              local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
 from keel.evaluate import evaluate_model
 from keel.logprobs import collate, token_logprobs
 from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate, sft_loss
@@ -307,51 +309,76 @@ class Interrupted:
         return False
 
 
-def train(cfg: Config, out_dir: Path, resume: bool = False) -> dict[str, Any]:
+def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | None = None) -> dict[str, Any]:
     """Run the whole job into the new directory `out_dir` (or continue it with `resume`);
-    returns summary.json's content."""
+    returns summary.json's content. Under `torchrun` / `accelerate launch` every process calls
+    this with the same arguments (see keel.distributed): rank 0 writes the run directory."""
     from keel.config import to_dict
     from keel.rewards import REWARDS
     from keel.trackers import make_tracker
 
+    ctx = ctx if ctx is not None else init_distributed()
     out_dir = Path(out_dir)
+    if ctx.enabled:
+        check_distributed_config(cfg, ctx)
+    if cfg.reward.name not in REWARDS:
+        raise ValueError(f"reward.name: unknown reward {cfg.reward.name!r} (known: {', '.join(sorted(REWARDS))})")
     if resume:
         if not (out_dir / "config.yaml").exists():
             raise RunDirError(f"--resume {out_dir}: no config.yaml (not a Keel run directory)")
         run = out_dir
     else:
-        run = create_run_dir(out_dir)
-        atomic_write_text(run / "config.yaml", dump_yaml(cfg))
-    if cfg.reward.name not in REWARDS:
-        raise ValueError(f"reward.name: unknown reward {cfg.reward.name!r} (known: {', '.join(sorted(REWARDS))})")
+        run = out_dir
+        if ctx.is_main:
+            create_run_dir(out_dir)
+            atomic_write_text(run / "config.yaml", dump_yaml(cfg))
+        barrier(ctx)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    tracker = make_tracker(cfg.report_to, run, config=to_dict(cfg), run_name=run.name)  # fails here, before training, if a package is missing
+    # fails here, before training, if a package is missing; other ranks log nothing
+    tracker = make_tracker(cfg.report_to if ctx.is_main else [], run, config=to_dict(cfg), run_name=run.name)
     try:
         with Interrupted() as interrupted:
-            return Trainer(cfg, run, REWARDS[cfg.reward.name], tracker, interrupted).run(resume)
+            return Trainer(cfg, run, REWARDS[cfg.reward.name], tracker, interrupted, ctx).run(resume)
     finally:
         tracker.close()
+
+
+def check_distributed_config(cfg: Config, ctx: DistContext) -> None:
+    """What runs data-parallel: SFT, GRPO (groups sharded), OPS, hints, ETS and interleaved
+    supervision phases (the latter repeated identically on every rank). PRS and synchronous
+    supervision losses normalise by local counts inside the update and are refused."""
+    if cfg.signals.reflection.enabled:
+        raise ValueError(f"distributed: signals.reflection (PRS) runs in one process only; {ctx.world_size} processes were started")
+    from keel.signals.schedule import Schedule
+
+    schedule = Schedule.from_config(cfg.signals, cfg.grpo.lr)
+    if any(schedule.sync_weight(k) > 0 for k in schedule.kinds):
+        raise ValueError("distributed: synchronous supervision losses (signals.paradigm=synchronous) run in one process only")
+    shard_groups(cfg.rollout.prompts_per_step, ctx)  # prompts_per_step must divide evenly
 
 
 class Trainer:
     """Holds the run's objects; `run()` is the loop, top to bottom. Not a base class: a
     supervision signal changes what goes into the losses, not this structure."""
 
-    def __init__(self, cfg: Config, run: Path, reward_fn, tracker, interrupted: Interrupted):
+    def __init__(self, cfg: Config, run: Path, reward_fn, tracker, interrupted: Interrupted, ctx: DistContext | None = None):
         from keel import tasks as task_builder
         from keel.diagnostics.detectors import Detectors
         from keel.diagnostics.telemetry import ControlFrequencyBaseline
 
         self.cfg, self.run_dir, self.reward_fn, self.tracker, self.interrupted = cfg, run, reward_fn, tracker, interrupted
+        self.ctx = ctx if ctx is not None else DistContext()
         self.t_start = time.time()
         random.seed(cfg.run.seed)
         torch.manual_seed(cfg.run.seed)
-        self.rng = random.Random(cfg.run.seed)
-        self.gen = torch.Generator().manual_seed(cfg.run.seed)
+        self.rng = random.Random(cfg.run.seed)  # the same on every rank: ranks agree on batches and phases
         device = resolve_device(cfg.model.device)
         self.model, self.tok = load_model(cfg.model.name, cfg.model.dtype, cfg.run.seed, device)
-        self.env, self.train_tasks, dev_tasks = task_builder.build(cfg, run)
+        for main_turn in (True, False):  # rank 0 writes run/data (synthetic data) before the others read it
+            if self.ctx.is_main == main_turn:
+                self.env, self.train_tasks, dev_tasks = task_builder.build(cfg, run)
+            barrier(self.ctx)
         self.dev = dev_tasks[: cfg.eval.n_dev]
         self.tasks_by_id = {t.id: t for t in self.train_tasks + self.dev}
         self.pad_id = self.tok.pad_token_id
@@ -422,11 +449,15 @@ class Trainer:
     # ---- small services -------------------------------------------------------------------
     def log(self, line: dict[str, Any]) -> None:
         line = {M.STEP: self.p.step, **line, M.TIME_WALL: time.time() - self.t_start, M.MEM_PEAK_RSS: _peak_rss_mb()}
-        append_jsonl(self.run_dir / "metrics.jsonl", line)
         self.p.metrics_lines += 1
+        if not self.ctx.is_main:
+            return
+        append_jsonl(self.run_dir / "metrics.jsonl", line)
         self.tracker.log(self.p.step, {k: v for k, v in line.items() if isinstance(v, (int, float)) and k != M.STEP})
 
     def refresh_report(self) -> None:
+        if not self.ctx.is_main:
+            return
         try:  # the report is a view; failing to draw it must not stop training
             from keel.report import write_report
 
@@ -441,7 +472,7 @@ class Trainer:
                     ps.copy_(pm)
 
     def make_optimizer(self, lr: float, warmup: int, weight_decay: float = 0.0) -> None:
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, eps=self.cfg.grpo.adam_eps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(warmup))
 
     def make_reference(self) -> None:
@@ -452,18 +483,29 @@ class Trainer:
             q.requires_grad_(False)
 
     def evaluate(self, label: str) -> dict[str, float]:
-        cfg = self.cfg
+        """Greedy dev evaluation. Under several processes each rank takes a contiguous shard of
+        the dev set and the records are gathered (in rank order = dev order) before the means."""
+        cfg, ctx = self.cfg, self.ctx
         params = SamplingParams(temperature=1.0, greedy=True, max_turns=cfg.rollout.max_turns,
                                 max_new_tokens=cfg.eval.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
-        bar = _progress(len(self.dev), f"eval ({label})", cfg.run.progress)
-        means, rows, trajs = evaluate_model(self.sampler, self.tok, self.env, self.dev, params, cfg.eval.batch_size, progress=bar.update)
+        per = -(-len(self.dev) // ctx.world_size)
+        mine = self.dev[ctx.rank * per : (ctx.rank + 1) * per]
+        bar = _progress(len(mine), f"eval ({label})", cfg.run.progress and ctx.is_main)
+        means, rows, trajs = evaluate_model(self.sampler, self.tok, self.env, mine, params, cfg.eval.batch_size, progress=bar.update)
         bar.close()
+        if ctx.enabled:
+            from keel.diagnostics.episode_metrics import eval_metrics
+
+            rows = [r for part in gather_objects(rows, ctx) for r in part]
+            trajs = [t for part in gather_objects(trajs[: cfg.eval.samples], ctx) for t in part]
+            means = eval_metrics(rows)
         step = self.p.step
-        write_jsonl(self.run_dir / "eval" / f"step_{step:06d}.jsonl", [{**r, "label": label} for r in rows])
-        write_jsonl(self.run_dir / "samples" / f"step_{step:06d}.jsonl",
-                    [{**tr.to_dict(), "pieces": self.pieces(tr.token_ids), "question": self.tasks_by_id[tr.task_id].question, "label": label}
-                     for tr in trajs[: cfg.eval.samples]])
-        if cfg.eval.tool_lift_n > 0:
+        if ctx.is_main:
+            write_jsonl(self.run_dir / "eval" / f"step_{step:06d}.jsonl", [{**r, "label": label} for r in rows])
+            write_jsonl(self.run_dir / "samples" / f"step_{step:06d}.jsonl",
+                        [{**tr.to_dict(), "pieces": self.pieces(tr.token_ids), "question": self.tasks_by_id[tr.task_id].question, "label": label}
+                         for tr in trajs[: cfg.eval.samples]])
+        if cfg.eval.tool_lift_n > 0:  # on every rank alike (same weights, same generator): same numbers
             from keel.evaluate import tool_lift_metrics
 
             sampled = SamplingParams(temperature=cfg.rollout.temperature, max_turns=cfg.rollout.max_turns,
@@ -472,9 +514,27 @@ class Trainer:
             lift_gen = torch.Generator().manual_seed(cfg.run.seed * 1000003 + step)
             means.update(tool_lift_metrics(self.sampler, self.tok, self.env, self.dev[: cfg.eval.tool_lift_n], sampled,
                                            cfg.eval.tool_lift_k, lift_gen, cfg.eval.batch_size))
-        print(f"[keel] step {step} eval ({label}): EM {means[M.EVAL_EM]:.3f}  F1 {means[M.EVAL_F1]:.3f}  "
-              f"format-valid {means[M.EVAL_FORMAT_VALID]:.3f}  tools/q {means[M.EVAL_TOOLS_PER_QUESTION]:.2f}", flush=True)
+        self.say(f"[keel] step {step} eval ({label}): EM {means[M.EVAL_EM]:.3f}  F1 {means[M.EVAL_F1]:.3f}  "
+                 f"format-valid {means[M.EVAL_FORMAT_VALID]:.3f}  tools/q {means[M.EVAL_TOOLS_PER_QUESTION]:.2f}")
         return means
+
+    def say(self, message: str) -> None:
+        if self.ctx.is_main:
+            print(message, flush=True)
+
+    def interrupted_anywhere(self) -> bool:
+        """SIGINT reaches each rank at its own moment: the ranks agree (any of them) at step ends,
+        so all checkpoint and stop at the same step instead of waiting on each other forever."""
+        if not self.ctx.enabled:
+            return self.interrupted.flag
+        self.interrupted.flag = all_reduce_sum([float(self.interrupted.flag)], self.ctx)[0] > 0
+        return self.interrupted.flag
+
+    def save_main(self, name: str, model, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+        """checkpoints/<name>, written by rank 0; every rank waits until it is complete."""
+        if self.ctx.is_main:
+            save_checkpoint(self.run_dir / "checkpoints" / name, model, self.tok, optimizer, state, extra)
+        barrier(self.ctx)
 
     def next_batch(self, order: list[int], n: int, pool: int) -> list[int]:
         """n indices from a shuffled epoch order, reshuffling when an epoch ends (order is Progress state)."""
@@ -501,9 +561,9 @@ class Trainer:
             "scheduler": self.sched.state_dict() if self.sched is not None else None,
             "step": p.step,
         }
-        extra = {"generator.pt": self.gen.get_state(), "torch_rng.pt": torch.get_rng_state(),
+        extra = {"torch_rng.pt": torch.get_rng_state(),
                  "reflections.pt": [(e.token_ids, e.targets, e.task_id, e.turn) for e in self.reflections]}
-        save_checkpoint(self.run_dir / "checkpoints" / "latest", self.model, self.tok, self.opt, state, extra)
+        self.save_main("latest", self.model, self.opt, state, extra)
 
     def restore(self) -> None:
         """Load checkpoints/latest and cut metrics/alerts back to what it covers."""
@@ -519,7 +579,6 @@ class Trainer:
         self.model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
         self.sync_sampler()
         self.rng.setstate(_rng_from_json(state["rng"]))
-        self.gen.set_state(torch.load(ck / "generator.pt"))
         torch.set_rng_state(torch.load(ck / "torch_rng.pt"))
         self.detectors.load_state_dict(state["detectors"])
         self.freq_baseline.load_state_dict(state["freq_baseline"])
@@ -536,25 +595,30 @@ class Trainer:
             self.opt.load_state_dict(torch.load(ck / "optimizer.pt"))
         if state.get("scheduler"):
             self.sched.load_state_dict(state["scheduler"])
-        truncate_jsonl_lines(self.run_dir / "metrics.jsonl", self.p.metrics_lines)
-        truncate_jsonl_lines(self.run_dir / "alerts.jsonl", self.p.alerts_lines)
-        print(f"[keel] resumed {self.run_dir} at step {self.p.step} ({self.p.phase})", flush=True)
+        if self.ctx.is_main:
+            truncate_jsonl_lines(self.run_dir / "metrics.jsonl", self.p.metrics_lines)
+            truncate_jsonl_lines(self.run_dir / "alerts.jsonl", self.p.alerts_lines)
+        barrier(self.ctx)
+        self.say(f"[keel] resumed {self.run_dir} at step {self.p.step} ({self.p.phase})")
 
     def restart(self) -> None:
         """Resume of a run killed before any complete checkpoint: nothing trained is lost, so run
         again from step 0 (same config, same seed) over what the killed process left."""
         import shutil
 
-        for name in ("checkpoints", "samples", "eval"):
-            shutil.rmtree(self.run_dir / name, ignore_errors=True)
-        truncate_jsonl_lines(self.run_dir / "metrics.jsonl", 0)
-        truncate_jsonl_lines(self.run_dir / "alerts.jsonl", 0)
-        print(f"[keel] {self.run_dir} has no complete checkpoint yet: starting it again from step 0", flush=True)
+        if self.ctx.is_main:
+            for name in ("checkpoints", "samples", "eval"):
+                shutil.rmtree(self.run_dir / name, ignore_errors=True)
+            truncate_jsonl_lines(self.run_dir / "metrics.jsonl", 0)
+            truncate_jsonl_lines(self.run_dir / "alerts.jsonl", 0)
+        barrier(self.ctx)
+        self.say(f"[keel] {self.run_dir} has no complete checkpoint yet: starting it again from step 0")
 
     # ---- the loop -------------------------------------------------------------------------
     def run(self, resume: bool) -> dict[str, Any]:
         cfg, p = self.cfg, self.p
-        if resume and complete_checkpoint(self.run_dir / "checkpoints" / "latest") is not None:
+        has_checkpoint = complete_checkpoint(self.run_dir / "checkpoints" / "latest") is not None if self.ctx.is_main else None
+        if resume and broadcast_object(has_checkpoint, self.ctx):  # rank 0 decides (and mends a half-swapped one)
             self.restore()
             p = self.p
         elif resume:  # killed before its first checkpoint was complete: start over in the same directory
@@ -579,7 +643,7 @@ class Trainer:
             p.phase = "rl"
             self.make_reference()
             if cfg.run.save_checkpoints:
-                save_checkpoint(self.run_dir / "checkpoints" / "reference", self.ref_model, self.tok, None, {"step": p.step})
+                self.save_main("reference", self.ref_model, None, {"step": p.step})
             self.make_optimizer(cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo.weight_decay)
             self.checkpoint()
         # 3. GRPO
@@ -610,32 +674,53 @@ class Trainer:
                 raise ValueError("sft: no gold trajectory could be replayed in the environment (every gold call failed)")
             p.summary["sft_gold_failed"] = sum(1 for g in golds if not g.info.get("gold_ok", True))
         p.summary["sft_examples"] = len(examples)
-        bar = _progress(cfg.sft.steps, "sft", cfg.run.progress)
+        bar = _progress(cfg.sft.steps, "sft", cfg.run.progress and self.ctx.is_main)
         bar.update(p.sft_done)
         while p.sft_done < cfg.sft.steps:
             p.step += 1
             batch = [examples[i] for i in self.next_batch(p.sft_order, cfg.sft.batch_size, len(examples))]
             t0 = time.time()
-            stats = sft_step(self.model, self.opt, batch, self.pad_id, cfg.grpo.max_grad_norm, autocast=cfg.model.autocast)
+            stats = self.sft_update(batch)
             self.sched.step()
             p.sft_done += 1
             self.log({M.PHASE: "sft", **stats, M.OPTIM_LR: self.sched.get_last_lr()[0], M.TIME_UPDATE: time.time() - t0})
             bar.set_postfix(loss=f"{stats[M.LOSS_SFT]:.3f}")
             bar.update(1)
-            if cfg.run.checkpoint_every and p.sft_done % cfg.run.checkpoint_every == 0 or self.interrupted.flag:
+            interrupted = self.interrupted_anywhere()
+            if cfg.run.checkpoint_every and p.sft_done % cfg.run.checkpoint_every == 0 or interrupted:
                 self.checkpoint()
-            if self.interrupted.flag:
+            if interrupted:
                 bar.close()
                 return False
         bar.close()
         return True
+
+    def sft_update(self, batch: list[SFTExample]) -> dict[str, float]:
+        """One SFT step on `batch`; under several processes each rank takes a contiguous slice
+        and the gradients are combined with token weights (keel.distributed.GradientSync)."""
+        cfg, ctx = self.cfg, self.ctx
+        if not ctx.enabled:
+            return sft_step(self.model, self.opt, batch, self.pad_id, cfg.grpo.max_grad_norm, autocast=cfg.model.autocast)
+        per = -(-len(batch) // ctx.world_size)
+        mine = batch[ctx.rank * per : (ctx.rank + 1) * per]
+        n_local = sum(sum(e.targets[1:]) for e in mine)
+        n_global = all_reduce_sum([n_local], ctx)[0]
+        weight = n_local / n_global if n_global else 0.0
+        sync = GradientSync(self.opt, self.model.parameters(), ctx, cfg.grpo.max_grad_norm)
+        self.opt.zero_grad(set_to_none=True)
+        sync.begin(weight)
+        stats = sft_step(self.model, sync, mine, self.pad_id, math.inf, autocast=cfg.model.autocast)
+        stats.update(sync.commit())
+        stats[M.LOSS_SFT] = all_reduce_sum([stats[M.LOSS_SFT] * weight], ctx)[0]
+        stats[M.SIGNAL_SFT_EXAMPLES] = float(len(batch))
+        return stats
 
     def rl_phase(self) -> bool:
         """GRPO steps until grpo.steps are done, a stop alert fires, or an interrupt."""
         cfg, p = self.cfg, self.p
         params = SamplingParams(temperature=cfg.rollout.temperature, max_turns=cfg.rollout.max_turns,
                                 max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
-        bar = _progress(cfg.grpo.steps, "grpo", cfg.run.progress)
+        bar = _progress(cfg.grpo.steps, "grpo", cfg.run.progress and self.ctx.is_main)
         bar.update(p.rl_done)
         while p.rl_done < cfg.grpo.steps:
             p.step += 1
@@ -643,9 +728,10 @@ class Trainer:
             line, stop = self.rl_step(params)
             phase = self.schedule.phase_after(p.rl_done)
             if phase is not None and not stop:
-                self.supervision_phase(phase)
+                self.supervision_phase(phase)  # every rank alike: same examples, same rng, same weights
             last = p.rl_done == cfg.grpo.steps
-            if cfg.run.save_checkpoints and (line.get(M.EVAL_EM) is not None or stop or self.interrupted.flag or last
+            interrupted = self.interrupted_anywhere()
+            if cfg.run.save_checkpoints and (line.get(M.EVAL_EM) is not None or stop or interrupted or last
                                              or (cfg.run.checkpoint_every and p.rl_done % cfg.run.checkpoint_every == 0)):
                 self.checkpoint()
             if line.get(M.EVAL_EM) is not None:
@@ -655,7 +741,7 @@ class Trainer:
             if stop:
                 p.summary["stopped_by_alert"] = {"step": p.step}
                 break
-            if self.interrupted.flag:
+            if interrupted:
                 bar.close()
                 return False
         bar.close()
@@ -669,48 +755,62 @@ class Trainer:
         examples = [e for k in phase.sources for e in self.supervision_pool(k)]
         if not examples:
             return
+        opt = torch.optim.AdamW(self.model.parameters(), lr=phase.lr, weight_decay=0.0, eps=self.cfg.grpo.adam_eps)
         lines = run_phase(self.model, examples, phase, self.pad_id, self.cfg.grpo.max_grad_norm, self.rng,
-                          self.cfg.grpo.micro_batch_size, autocast=self.cfg.model.autocast)
+                          self.cfg.grpo.micro_batch_size, optimizer=opt, autocast=self.cfg.model.autocast)
         for stats in lines:
             self.p.step += 1
             self.log({M.PHASE: "sft", **stats, M.SIGNAL_PHASE: phase.kind})
         self.sync_sampler()
 
     def rl_step(self, params: SamplingParams) -> tuple[dict[str, Any], bool]:
-        """One GRPO step: rollout → rewards → advantages → update → telemetry → detectors."""
+        """One GRPO step: rollout → rewards → advantages → update → telemetry → detectors.
+
+        Under several processes each rank rolls out and trains on a contiguous block of the
+        step's groups (a group never spans ranks, so advantages stay exact), the gradients are
+        combined with token weights, and the trajectories are gathered so every rank computes
+        the same metrics line and the detectors take the same decisions.
+        """
         from keel.diagnostics.episode_metrics import episode_record, tool_metrics
         from keel.diagnostics.states import structural_shares
         from keel.diagnostics.telemetry import control_tag_frequency
-
-        cfg, p = self.cfg, self.p
-        t0 = time.time()
         from keel.signals.ops import expert_members, group_with_experts, sampled_rows
         from keel.signals.reflection import collect_reflections, reflection_example
         from keel.signals.schedule import sample_examples
 
+        cfg, p, ctx = self.cfg, self.p, self.ctx
+        t0 = time.time()
         s = cfg.signals
         signal_line: dict[str, Any] = {}
         batch_tasks = [self.train_tasks[i] for i in self.next_batch(p.rl_order, cfg.rollout.prompts_per_step, len(self.train_tasks))]
         # OPS "replace" (the authors' replace_num=1): the gold trajectory takes one slot of each group
         n_replace = s.ops.members if s.ops.enabled and s.ops.mode == "replace" else 0
         rows, groups = sampled_rows(batch_tasks, cfg.rollout.group_size, n_replace)
+        mine = shard_groups(len(batch_tasks), ctx)
+        keep = [i for i, g in enumerate(groups) if g in mine]
+        local_rows, local_groups = [rows[i] for i in keep], [groups[i] for i in keep]
+        # one generator per row, seeded by (seed, step, group, member): what a row samples does
+        # not depend on the rank or the batch it is in
+        gens = [torch.Generator().manual_seed(row_seed(cfg.run.seed, p.rl_done, g, i - groups.index(g))) for i, g in zip(keep, local_groups)]
         hints = None
         if self.hint_policy is not None:  # shown only while sampling; collate drops them for the loss
             per_task = self.hint_policy.hints_for(batch_tasks)
-            hints = [per_task[g] for g in groups]
+            hints = [per_task[g] for g in local_groups]
             signal_line[M.SIGNAL_HINTED_GROUPS] = sum(h is not None for h in per_task) / len(per_task)
-        trajs = rollout(self.sampler, self.tok, self.env, rows, params, generator=self.gen, groups=groups, hints=hints,
+        local = rollout(self.sampler, self.tok, self.env, local_rows, params, generator=gens, groups=local_groups, hints=hints,
                         hint_position=s.hint.position)
         t_rollout = time.time() - t0
-        comps: dict[str, list[float]] = {}
-        for tr, task in zip(trajs, rows):
+        for tr, task in zip(local, local_rows):
             try:
                 total, parts = self.reward_fn(tr, task)
             except Exception as exc:  # one odd sample must not crash a long run
                 total, parts = 0.0, {"reward_error": 1.0}
                 tr.info["reward_error"] = f"{type(exc).__name__}: {exc}"
             tr.reward, tr.reward_components = float(total), parts
-            for k, v in parts.items():
+        trajs = [t for part in gather_objects(local, ctx) for t in part] if ctx.enabled else local  # all rows, in row order
+        comps: dict[str, list[float]] = {}
+        for tr in trajs:
+            for k, v in tr.reward_components.items():
                 comps.setdefault(k, []).append(float(v))
         rewards = torch.tensor([tr.reward for tr in trajs])
         group_rewards = [[tr.reward for tr, g in zip(trajs, groups) if g == k] for k in range(len(batch_tasks))]
@@ -720,16 +820,17 @@ class Trainer:
         if self.ets is not None:  # ETS: queries whose whole group failed enter the buffer
             self.ets.observe(p.rl_done, task_ids, group_rewards)
             signal_line[M.SIGNAL_ETS_BUFFER] = float(len(self.ets))
-        members = trajs
+        local_rewards = torch.tensor([tr.reward for tr in local])
+        members = local
         if s.ops.enabled:  # OPS: gold members join the group; advantages over both kinds (Eq. 4)
-            experts = [e for k, t in enumerate(batch_tasks) for e in expert_members(self.tok, self.env, t, s.ops.members, group=k, cache=self.gold_cache)]
+            experts = [e for k in mine for e in expert_members(self.tok, self.env, batch_tasks[k], s.ops.members, group=k, cache=self.gold_cache)]
             expert_rewards = [self.reward_fn(e, batch_tasks[e.group])[0] for e in experts]
-            mixed_groups = group_with_experts(trajs, rewards, experts, expert_rewards, groups, cfg.grpo.scale_by_std)
+            mixed_groups = group_with_experts(local, local_rewards, experts, expert_rewards, local_groups, cfg.grpo.scale_by_std)
             members, adv = mixed_groups.trajectories, mixed_groups.advantages
-            signal_line[M.SIGNAL_OPS_MEMBERS] = float(len(experts))
+            signal_line[M.SIGNAL_OPS_MEMBERS] = all_reduce_sum([len(experts)], ctx)[0]
         else:
-            adv = group_advantages(rewards, torch.tensor(groups), cfg.grpo.scale_by_std)
-        if self.analyzer is not None:  # PRS: reflections on failed episodes join the pool
+            adv = group_advantages(local_rewards, torch.tensor(local_groups, dtype=torch.long), cfg.grpo.scale_by_std)
+        if self.analyzer is not None:  # PRS (one process only): reflections on failed episodes join the pool
             got, errors = collect_reflections(self.analyzer, self.rng.sample(trajs, len(trajs)), self.tasks_by_id,
                                               s.reflection.fail_at, s.reflection.per_step)
             for tr, r in got:
@@ -742,9 +843,30 @@ class Trainer:
                  for k in self.schedule.kinds if self.schedule.sync_weight(k) > 0]
         t1 = time.time()
         sink: list = []
-        stats = grpo_update(self.model, self.ref_model, self.opt, members, adv, cfg, self.pad_id, cfg.rollout.temperature, sink,
-                            old_from_policy=self.sampler is not self.model or cfg.model.autocast, extra_losses=extra)
-        sink = [x for x in sink if x[0] < len(trajs)]  # KL telemetry on sampled tokens, not gold ones
+        old_from_policy = self.sampler is not self.model or cfg.model.autocast
+        if ctx.enabled:
+            n_local = loss_normaliser(members, adv, cfg.grpo.loss_aggregation, cfg.grpo.skip_zero_advantage)
+            t_local = loss_normaliser(members, adv, "token-mean", cfg.grpo.skip_zero_advantage)
+            n_global, t_global = all_reduce_sum([n_local, t_local], ctx)
+            sync = GradientSync(self.opt, self.model.parameters(), ctx, cfg.grpo.max_grad_norm)
+            self.opt.zero_grad(set_to_none=True)
+            sync.begin(n_local / n_global if n_global else 0.0)
+            stats = grpo_update(self.model, self.ref_model, sync, members, adv, local_config(cfg), self.pad_id, cfg.rollout.temperature, sink,
+                                old_from_policy=old_from_policy)
+            stats.update(sync.commit())
+            stats = reduce_stats(stats, n_local / n_global if n_global else 0.0, t_local / t_global if t_global else 0.0, ctx)
+            if not t_global:  # nothing trained anywhere: the ratio is 1 by convention, as in one process
+                stats[M.LOSS_RATIO_MEAN] = 1.0
+            # telemetry rows of every rank, numbered as one process numbers them (row order)
+            parts = gather_objects([x for x in sink if x[0] < len(local)], ctx)  # sampled rows only, not gold ones
+            sink, offset = [], 0
+            for r, part in enumerate(parts):
+                sink += [(i + offset, ids, lp, rp, en) for i, ids, lp, rp, en in part]
+                offset += len(shard_groups(len(batch_tasks), DistContext(r, ctx.world_size))) * (len(rows) // len(batch_tasks))
+        else:
+            stats = grpo_update(self.model, self.ref_model, self.opt, members, adv, cfg, self.pad_id, cfg.rollout.temperature, sink,
+                                old_from_policy=old_from_policy, extra_losses=extra)
+            sink = [x for x in sink if x[0] < len(trajs)]  # KL telemetry on sampled tokens, not gold ones
         self.sched.step()
         self.sync_sampler()
         t_update = time.time() - t1
@@ -778,7 +900,7 @@ class Trainer:
             if p.last_eval[M.EVAL_EM] > p.peak[M.EVAL_EM]:
                 p.peak = {"step": p.step, **p.last_eval}
                 if cfg.run.save_checkpoints:
-                    save_checkpoint(self.run_dir / "checkpoints" / "peak", self.model, self.tok, None, {"step": p.step, "eval": p.last_eval})
+                    self.save_main("peak", self.model, None, {"step": p.step, "eval": p.last_eval})
         line[M.TIME_STEP] = time.time() - t0
         stop = self.handle_alerts(line)
         self.log(line)
@@ -800,9 +922,10 @@ class Trainer:
                     self.p.config_changes.update(record["config_now"])
             elif alert.action == "stop":
                 stop = True
-            append_jsonl(self.run_dir / "alerts.jsonl", record)
+            if self.ctx.is_main:
+                append_jsonl(self.run_dir / "alerts.jsonl", record)
             self.p.alerts_lines += 1
-            print(f"[keel] step {self.p.step} ALERT {alert.kind}: {alert.suggested_action} (action: {alert.action})", flush=True)
+            self.say(f"[keel] step {self.p.step} ALERT {alert.kind}: {alert.suggested_action} (action: {alert.action})")
         line[M.ALERT_COUNT] = float(len(alerts))
         return stop
 
@@ -816,10 +939,14 @@ class Trainer:
         s["phase"] = p.phase
         s["interrupted"] = interrupted
         s["wall_time_s"] = s.get("wall_time_s", 0.0) + (time.time() - self.t_start)
-        atomic_write_json(self.run_dir / "summary.json", s)
+        if self.ctx.enabled:
+            s["processes"] = self.ctx.world_size
+        if self.ctx.is_main:
+            atomic_write_json(self.run_dir / "summary.json", s)
         self.refresh_report()
         if interrupted:
-            print(f"[keel] stopped cleanly at step {p.step}; continue with: keel train --resume {self.run_dir}", flush=True)
+            self.say(f"[keel] stopped cleanly at step {p.step}; continue with: keel train --resume {self.run_dir}")
+        barrier(self.ctx)
         return s
 
 
