@@ -11,15 +11,19 @@ micro-batch 8. The peak of an update is set by one micro-batch (8 sequences), no
 number of micro-batches, so the default config's 8 × 4 = 32 episodes peak at the same memory.
 
 - full: every weight trains; the frozen reference is a deep copy (as in `keel.train`).
+- full-ckpt / lora-ckpt: the same with decoder-layer gradient checkpointing
+  (`model.gradient_checkpointing: true`) and micro-batch 2 (`--ckpt-micro`).
+The LM head's logits are recomputed per 1,024-token chunk in backward in every variant
+(`keel.logprobs.token_logprobs`).
 - lora: peft LoRA r=16 on the attention and MLP projections (`pip install peft==0.21.2`, an
   optional dependency); rollout and update get `peft_model.get_base_model()`, the causal LM with
   the adapters injected (Keel's `token_logprobs` cannot take the PeftModel wrapper itself). The reference is passed as None (KL term 0): with LoRA the reference
   is the base model with the adapter switched off, which needs no second copy; `grpo_update`
   has no switch for that yet, so the reference forward is left out here.
 
-    python bench/step_memory.py                      # both variants (~3 min)
+    python bench/step_memory.py                      # full, full-ckpt, lora, lora-ckpt (~5 min)
     python bench/step_memory.py --variants full --prompts 8
-Ends with `peak_rss_full_gb=<x>` and `peak_rss_lora_gb=<x>`.
+Ends with `peak_rss_<variant>_gb=<x>` per variant.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # kB on Linux
 
 
-def child(variant: str, prompts: int, group: int, threads: int) -> dict:
+def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int = 2) -> dict:
     import torch
 
     from keel import metrics as M
@@ -53,7 +57,8 @@ def child(variant: str, prompts: int, group: int, threads: int) -> dict:
     out = {"variant": variant}
     model, tok = load_model("smollm2")
     ref = None
-    if variant == "full":
+    ckpt = variant.endswith("-ckpt")
+    if variant.startswith("full"):
         ref = copy.deepcopy(model).eval()
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -72,7 +77,9 @@ def child(variant: str, prompts: int, group: int, threads: int) -> dict:
     tasks = [t for t in splits["train"][:prompts] for _ in range(group)]
     groups = [k for k in range(prompts) for _ in range(group)]
     cfg = Config()
-    cfg.grpo.micro_batch_size = 8
+    cfg.grpo.micro_batch_size = ckpt_micro if ckpt else 8
+    if ckpt:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     t0 = time.perf_counter()
     # the rollout runs on the model being trained (peft's forward adds the adapters)
     trajs = rollout(model, tok, env, tasks, SamplingParams(max_turns=cfg.rollout.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -95,24 +102,26 @@ def child(variant: str, prompts: int, group: int, threads: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", default="full,lora", help="comma-separated: full, lora")
+    ap.add_argument("--variants", default="full,full-ckpt,lora,lora-ckpt", help="comma-separated: full, full-ckpt, lora, lora-ckpt")
+    ap.add_argument("--ckpt-micro", type=int, default=2, help="micro-batch of the -ckpt variants")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.prompts, args.group, args.threads)))
+        print(json.dumps(child(args.child, args.prompts, args.group, args.threads, args.ckpt_micro)))
         return
     results = {}
     for variant in args.variants.split(","):
-        if variant not in ("full", "lora"):
-            sys.exit(f"step_memory: unknown variant {variant!r} (full, lora)")
-        cmd = [sys.executable, __file__, "--child", variant, "--prompts", str(args.prompts), "--group", str(args.group), "--threads", str(args.threads)]
+        if variant not in ("full", "full-ckpt", "lora", "lora-ckpt"):
+            sys.exit(f"step_memory: unknown variant {variant!r} (full, full-ckpt, lora, lora-ckpt)")
+        cmd = [sys.executable, __file__, "--child", variant, "--prompts", str(args.prompts), "--group", str(args.group),
+               "--threads", str(args.threads), "--ckpt-micro", str(args.ckpt_micro)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-            if variant == "lora" and "No module named 'peft'" in proc.stderr:
+            if variant.startswith("lora") and "No module named 'peft'" in proc.stderr:
                 print("lora: skipped, peft is not installed (pip install torch==2.13.0 peft==0.21.2)")
                 continue
             sys.exit(f"step_memory: the {variant} subprocess failed: {tail[0]}")
@@ -123,7 +132,7 @@ def main() -> None:
               f"peak RSS after load {r['rss_after_load_gb']:.2f} GB, after rollout {r['rss_after_rollout_gb']:.2f} GB, "
               f"after update {r['peak_rss_gb']:.2f} GB", flush=True)
     for variant, r in results.items():
-        print(f"peak_rss_{variant}_gb={r['peak_rss_gb']:.2f}")
+        print(f"peak_rss_{variant.replace('-', '_')}_gb={r['peak_rss_gb']:.2f}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 
 from keel.types import Source, Trajectory
 
@@ -105,6 +106,15 @@ def _hidden_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     return torch.cat([pre.last_hidden_state.expand(B, L, -1), rest.last_hidden_state], dim=1)
 
 
+def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(head(h).float() / temperature, dim=-1)
+    picked = logp.gather(1, targets[:, None])[:, 0]
+    if not with_entropy:
+        return picked, picked.new_zeros(0)
+    with torch.no_grad():
+        return picked, -(logp.exp() * logp).sum(-1)
+
+
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -128,13 +138,18 @@ def token_logprobs(
     targets = input_ids[target_mask]  # [N]
     head = model.get_output_embeddings()
     out, ents = [], []
+    # With gradients, each chunk's logits are recomputed in backward instead of kept: autograd
+    # would otherwise hold [N, V] fp32 logits and log-softmax (V = 49,152 for SmolLM2: ~0.4 MB
+    # per token, more than the 30 decoder layers' activations) until backward.
+    recompute = torch.is_grad_enabled() and h.requires_grad
     for s in range(0, h.shape[0], chunk):
-        logits = head(h[s : s + chunk]).float() / temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        out.append(logp.gather(1, targets[s : s + chunk, None])[:, 0])
-        if with_entropy:
-            with torch.no_grad():
-                ents.append(-(logp.exp() * logp).sum(-1))
+        hs, ts = h[s : s + chunk], targets[s : s + chunk]
+        if recompute:
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, head, hs, ts, temperature, with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(head, hs, ts, temperature, with_entropy)
+        out.append(lp)
+        ents.append(ent)
     logp = torch.cat(out) if out else hidden.new_zeros(0)
-    ent = (torch.cat(ents) if ents else hidden.new_zeros(0)) if with_entropy else None
+    ent = (torch.cat(ents) if ents else hidden.new_zeros(0)).detach() if with_entropy else None
     return logp, ent

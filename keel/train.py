@@ -375,6 +375,8 @@ class Trainer:
         self.rng = random.Random(cfg.run.seed)  # the same on every rank: ranks agree on batches and phases
         device = resolve_device(cfg.model.device)
         self.model, self.tok = load_model(cfg.model.name, cfg.model.dtype, cfg.run.seed, device)
+        if cfg.model.gradient_checkpointing:
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         for main_turn in (True, False):  # rank 0 writes run/data (synthetic data) before the others read it
             if self.ctx.is_main == main_turn:
                 self.env, self.train_tasks, dev_tasks = task_builder.build(cfg, run)

@@ -52,3 +52,45 @@ def test_shared_prefix_forward_equals_plain_forward(tiny):
     lp_shared.sum().backward()
     for (n, a), (_, b) in zip(m_plain.named_parameters(), m_shared.named_parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), n
+
+
+def _grads(model, ids, attn, tmask, chunk):
+    model.zero_grad(set_to_none=True)
+    logp, ent = token_logprobs(model, ids, attn, tmask, temperature=0.7, chunk=chunk, with_entropy=True)
+    (logp * torch.linspace(-1.0, 1.0, logp.numel())).sum().backward()
+    return logp.detach(), ent, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def test_recomputed_head_and_gradient_checkpointing_give_the_plain_gradient(tiny):
+    """The LM head's chunks are recomputed in backward (token_logprobs) and decoder layers can be
+    too (model.gradient_checkpointing); values, entropies and gradients equal a plain autograd
+    pass through the full logits."""
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(5, 1000, (2, 40), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, :7] = 0  # a left-padded row
+    tmask = torch.zeros_like(ids, dtype=torch.bool)
+    tmask[0, 10:] = True
+    tmask[1, 20:35] = True
+
+    # reference: full logits, no recompute anywhere
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=attn).logits.float() / 0.7
+    logp_all = torch.log_softmax(logits[:, :-1], -1)
+    prev = tmask[:, 1:]
+    want = logp_all[prev].gather(1, ids[:, 1:][prev][:, None])[:, 0]
+    want_ent = -(logp_all[prev].exp() * logp_all[prev]).sum(-1)
+    (want * torch.linspace(-1.0, 1.0, want.numel())).sum().backward()
+    want_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        logp, ent, grads = _grads(model, ids, attn, tmask, chunk=16)  # 45 targets: 3 chunks
+        assert torch.allclose(logp, want.detach(), atol=1e-5)
+        assert torch.allclose(ent, want_ent.detach(), atol=1e-4)
+        assert grads.keys() == want_grads.keys()
+        for k in grads:
+            assert torch.allclose(grads[k], want_grads[k], atol=1e-6, rtol=1e-4), (checkpointing, k)
