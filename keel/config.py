@@ -36,6 +36,8 @@ class ModelConfig:
     name: str = doc("smollm2", "'smollm2' (embedded SmolLM2-135M-Instruct), 'tiny' (random, for tests) or a local HF model directory")
     dtype: str = doc("float32", "weights dtype for training and rollouts: float32 | bfloat16")
     device: str = doc("cpu", "cpu | cuda | auto")
+    lora_rank: int = doc(0, "0: train every weight; > 0: train LoRA adapters of this rank (peft, the `lora` extra) on the attention and MLP projections; the KL reference is the base model with adapters off, no copy")
+    lora_alpha: float = doc(32.0, "LoRA scaling numerator (scale = lora_alpha / lora_rank)")
     gradient_checkpointing: bool = doc(False, "recompute decoder-layer activations in backward: training memory no longer grows with layers × tokens, at ~1/3 more compute")
     autocast: bool = doc(False, "run training forward/backward under bf16 autocast (fp32 master weights): ~2× faster on AMX CPUs and GPUs (MEASURED.md: 13.5 vs 27 s per 8×512-token step)")
 

@@ -95,7 +95,9 @@ def _hidden_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor) 
     one plain forward (tests/test_logprobs.py checks values and gradients)."""
     B, T = input_ids.shape
     L = shared_prefix_len(input_ids, attention_mask)
-    if L < MIN_SHARED_PREFIX:
+    # HF drops the cache inside checkpointed layers while training, so with gradient
+    # checkpointing on, the prefix cannot be shared: one plain forward instead
+    if L < MIN_SHARED_PREFIX or (body.training and getattr(body, "gradient_checkpointing", False)):
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
     pre = body(input_ids=input_ids[:1, :L], use_cache=True)

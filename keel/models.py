@@ -191,3 +191,76 @@ def resolve_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"model.device: {device!r} requested but no CUDA device is available")
     return device
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRA:
+    """LoRA adapters (peft) injected into a causal LM, and what the trainer needs from them.
+
+    `model` is the causal LM with the adapters in place (what rollouts and `token_logprobs`
+    run); only the adapter weights require grad. The KL reference is the same model with its
+    adapters switched off (`reference()`), so no second copy of the weights is kept.
+    Checkpoints store the merged weights as `model.safetensors` (a plain model that `keel eval`
+    loads) and the adapter weights as `adapter.safetensors` (what a resume or a rollback loads).
+    """
+
+    def __init__(self, model, rank: int, alpha: float, targets: tuple[str, ...] = LORA_TARGETS):
+        try:
+            from peft import LoraConfig, get_peft_model
+        except ImportError:
+            raise ValueError("model.lora_rank > 0 needs peft: pip install torch==2.13.0 'keel[lora]' (peft==0.21.2)") from None
+        self.peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets)))
+        self.model = self.peft_model.get_base_model()
+
+    def reference(self):
+        """Context manager: inside it, `self.model` computes the base model (adapters off)."""
+        return self.peft_model.disable_adapter()
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.named_parameters() if v.requires_grad}
+
+    def load_adapter_state(self, state: dict[str, torch.Tensor]) -> None:
+        params = dict(self.model.named_parameters())
+        missing = sorted(set(k for k, v in params.items() if v.requires_grad) - set(state))
+        if missing:
+            raise ValueError(f"adapter checkpoint lacks {len(missing)} adapter weights, e.g. {missing[0]}")
+        with torch.no_grad():
+            for k, v in state.items():
+                params[k].copy_(v)
+
+    def fold(self) -> None:
+        """Fold the adapters into the base weights and zero their B matrices: the model computes
+        the same function, and "adapters off" now means this model. Called when SFT ends, so the
+        RL reference is the SFT model (as with full fine-tuning) and RL trains fresh adapters."""
+        from peft.tuners.lora import LoraLayer
+
+        with torch.no_grad():
+            for m in self.model.modules():
+                if isinstance(m, LoraLayer):
+                    for name in m.active_adapters:
+                        m.base_layer.weight += m.get_delta_weight(name).to(m.base_layer.weight.dtype)
+                        m.lora_B[name].weight.zero_()
+
+    def load_base_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a plain model's weights (e.g. a merged checkpoint taken when the adapters were
+        zero) into the base weights under the adapters."""
+        own = self.model.state_dict()
+        mapped = {}
+        for k, v in state.items():
+            if k in own:
+                mapped[k] = v
+            elif k.replace(".weight", ".base_layer.weight") in own:
+                mapped[k.replace(".weight", ".base_layer.weight")] = v
+            elif k.replace(".bias", ".base_layer.bias") in own:
+                mapped[k.replace(".bias", ".base_layer.bias")] = v
+            else:
+                raise ValueError(f"base checkpoint has a weight the model lacks: {k}")
+        self.model.load_state_dict(mapped, strict=False)
+
+    def merged_model(self):
+        """A plain copy of the model with the adapters folded into the weights."""
+        import copy
+
+        return copy.deepcopy(self.peft_model).merge_and_unload()

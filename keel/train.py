@@ -36,7 +36,7 @@ from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier
 from keel.evaluate import evaluate_model
 from keel.logprobs import collate, token_logprobs
 from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate, sft_loss
-from keel.models import DTYPES, load_model, resolve_device
+from keel.models import DTYPES, LoRA, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
 from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, create_run_dir, swap_dir, truncate_jsonl_lines, write_jsonl
 from keel.sft import SFTExample, collate_sft, decompose, gold_trajectory
@@ -151,7 +151,10 @@ def grpo_update(
         with _autocast(cfg.model.autocast, model):
             logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True)
         with torch.no_grad():
-            if ref_model is not None:
+            if isinstance(ref_model, LoRA):  # the base model: the policy with its adapters off
+                with ref_model.reference(), _autocast(cfg.model.autocast, model):
+                    ref_logp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature)
+            elif ref_model is not None:
                 with _autocast(cfg.model.autocast, ref_model):
                     ref_logp, _ = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature)
             else:
@@ -375,6 +378,10 @@ class Trainer:
         self.rng = random.Random(cfg.run.seed)  # the same on every rank: ranks agree on batches and phases
         device = resolve_device(cfg.model.device)
         self.model, self.tok = load_model(cfg.model.name, cfg.model.dtype, cfg.run.seed, device)
+        self.lora = None
+        if cfg.model.lora_rank > 0:
+            self.lora = LoRA(self.model, cfg.model.lora_rank, cfg.model.lora_alpha)
+            self.model = self.lora.model
         if cfg.model.gradient_checkpointing:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         for main_turn in (True, False):  # rank 0 writes run/data (synthetic data) before the others read it
@@ -480,6 +487,10 @@ class Trainer:
     def make_reference(self) -> None:
         """The frozen reference: the policy as RL starts. Kept even at kl_coef 0, because the
         per-token KL telemetry (which tokens drift) reads it."""
+        if self.lora is not None:  # the SFT model = adapters off after folding: no copy
+            self.lora.fold()
+            self.ref_model = self.lora
+            return
         self.ref_model = copy.deepcopy(self.model).eval()
         for q in self.ref_model.parameters():
             q.requires_grad_(False)
@@ -533,7 +544,11 @@ class Trainer:
         return self.interrupted.flag
 
     def save_main(self, name: str, model, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
-        """checkpoints/<name>, written by rank 0; every rank waits until it is complete."""
+        """checkpoints/<name>, written by rank 0; every rank waits until it is complete. A LoRA
+        policy is saved merged (a plain model for `keel eval`) plus its adapter weights."""
+        if self.ctx.is_main and self.lora is not None and model is self.model:
+            model = self.lora.merged_model()
+            extra = {**(extra or {}), "adapter.pt": self.lora.adapter_state()}
         if self.ctx.is_main:
             save_checkpoint(self.run_dir / "checkpoints" / name, model, self.tok, optimizer, state, extra)
         barrier(self.ctx)
@@ -578,7 +593,10 @@ class Trainer:
         self.p = Progress(**state["progress"])
         for key, value in self.p.config_changes.items():
             set_key(self.cfg, key, value)
-        self.model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
+        if self.lora is not None:
+            self.lora.load_adapter_state(torch.load(ck / "adapter.pt"))
+        else:
+            self.model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
         self.sync_sampler()
         self.rng.setstate(_rng_from_json(state["rng"]))
         torch.set_rng_state(torch.load(ck / "torch_rng.pt"))
@@ -588,8 +606,14 @@ class Trainer:
         if (ck / "reflections.pt").exists():
             self.reflections = [SFTExample(*r) for r in torch.load(ck / "reflections.pt")]
         if self.p.phase in ("rl", "done"):
-            self.make_reference()
-            self.ref_model.load_state_dict(load_file(str(self.run_dir / "checkpoints" / "reference" / "model.safetensors")), strict=False)
+            reference = load_file(str(self.run_dir / "checkpoints" / "reference" / "model.safetensors"))
+            if self.lora is not None:  # base weights = the SFT model folded at the RL start; adapters on top
+                self.lora.load_base_state(reference)
+                self.ref_model = self.lora
+                self.sync_sampler()
+            else:
+                self.make_reference()
+                self.ref_model.load_state_dict(reference, strict=False)
             self.make_optimizer(self.cfg.grpo.lr, self.cfg.grpo.warmup_steps, self.cfg.grpo.weight_decay)
         else:
             self.make_optimizer(self.cfg.sft.lr, self.cfg.sft.warmup_steps)
@@ -645,7 +669,7 @@ class Trainer:
             p.phase = "rl"
             self.make_reference()
             if cfg.run.save_checkpoints:
-                self.save_main("reference", self.ref_model, None, {"step": p.step})
+                self.save_main("reference", self.model if self.lora is not None else self.ref_model, None, {"step": p.step})
             self.make_optimizer(cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo.weight_decay)
             self.checkpoint()
         # 3. GRPO
@@ -915,7 +939,7 @@ class Trainer:
         for alert in alerts:
             record = alert.to_dict()
             if alert.action == "rollback":
-                record["rolled_back_to"] = _rollback(self.model, self.run_dir, self.cfg, alert.on_rollback)
+                record["rolled_back_to"] = _rollback(self.model, self.run_dir, self.cfg, alert.on_rollback, self.lora)
                 if record["rolled_back_to"] is not None:
                     self.sync_sampler()
                     line[M.ALERT_ROLLBACK] = 1.0
@@ -969,7 +993,7 @@ def _get_key(cfg: Config, key: str):
     return obj
 
 
-def _rollback(model, run: Path, cfg: Config, overrides: dict[str, str]) -> int | None:
+def _rollback(model, run: Path, cfg: Config, overrides: dict[str, str], lora: LoRA | None = None) -> int | None:
     """Load the `peak` checkpoint's weights and apply the alert's config changes ("x5" multiplies).
 
     Returns the peak's step, or None when there is no peak yet (the alert is then only logged).
@@ -981,8 +1005,10 @@ def _rollback(model, run: Path, cfg: Config, overrides: dict[str, str]) -> int |
     peak = run / "checkpoints" / "peak"
     if not (peak / "model.safetensors").exists():
         return None
-    state = load_file(str(peak / "model.safetensors"))
-    model.load_state_dict(state, strict=False)  # tied lm_head is not stored separately
+    if lora is not None:
+        lora.load_adapter_state(torch.load(peak / "adapter.pt"))
+    else:
+        model.load_state_dict(load_file(str(peak / "model.safetensors")), strict=False)  # tied lm_head is not stored separately
     for key, value in overrides.items():
         current = _get_key(cfg, key)
         if isinstance(value, str) and value.startswith("x") and isinstance(current, (int, float)):

@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from keel.logprobs import _hidden_states, shared_prefix_len, token_logprobs
+from keel.logprobs import MIN_SHARED_PREFIX, _hidden_states, shared_prefix_len, token_logprobs
 
 
 def _batch(tok):
@@ -68,12 +68,14 @@ def test_recomputed_head_and_gradient_checkpointing_give_the_plain_gradient(tiny
     model, _ = tiny
     model = copy.deepcopy(model).train()
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(5, 1000, (2, 40), generator=g)
+    ids = torch.randint(5, 1000, (3, 40), generator=g)
+    ids[2, :30] = ids[0, :30]  # rows 0 and 2 share a 30-token prefix...
     attn = torch.ones_like(ids)
-    attn[1, :7] = 0  # a left-padded row
+    attn[1, :7] = 0  # ...and row 1 is left-padded, so this batch takes the plain path; see below
     tmask = torch.zeros_like(ids, dtype=torch.bool)
     tmask[0, 10:] = True
     tmask[1, 20:35] = True
+    tmask[2, 31:] = True
 
     # reference: full logits, no recompute anywhere
     model.zero_grad(set_to_none=True)
@@ -88,9 +90,28 @@ def test_recomputed_head_and_gradient_checkpointing_give_the_plain_gradient(tiny
     for checkpointing in (False, True):
         if checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        logp, ent, grads = _grads(model, ids, attn, tmask, chunk=16)  # 45 targets: 3 chunks
+        logp, ent, grads = _grads(model, ids, attn, tmask, chunk=16)  # 54 targets: 4 chunks
         assert torch.allclose(logp, want.detach(), atol=1e-5)
         assert torch.allclose(ent, want_ent.detach(), atol=1e-4)
         assert grads.keys() == want_grads.keys()
         for k in grads:
             assert torch.allclose(grads[k], want_grads[k], atol=1e-6, rtol=1e-4), (checkpointing, k)
+
+
+def test_gradient_checkpointing_with_a_shared_prefix_batch(tiny):
+    """A batch whose rows share a long prompt prefix (the shared-prefix forward) under gradient
+    checkpointing falls back to one plain forward: same values and gradients."""
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(5, 1000, (3, 48), generator=g)
+    ids[1:, :MIN_SHARED_PREFIX + 4] = ids[0, :MIN_SHARED_PREFIX + 4]
+    attn = torch.ones_like(ids)
+    tmask = torch.zeros_like(ids, dtype=torch.bool)
+    tmask[:, MIN_SHARED_PREFIX + 6 :] = True
+    plain = _grads(model, ids, attn, tmask, chunk=1024)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    ckpt = _grads(model, ids, attn, tmask, chunk=1024)
+    assert torch.allclose(plain[0], ckpt[0], atol=1e-5)
+    for k in plain[2]:
+        assert torch.allclose(plain[2][k], ckpt[2][k], atol=1e-6, rtol=1e-4), k
