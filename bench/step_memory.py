@@ -13,7 +13,7 @@ number of micro-batches, so the default config's 8 × 4 = 32 episodes peak at th
 - full: every weight trains; the frozen reference is a deep copy (as in `keel.train`).
 - full-ckpt / lora-ckpt: the same with decoder-layer gradient checkpointing
   (`model.gradient_checkpointing: true`) and micro-batch 2 (`--ckpt-micro`).
-The LM head's logits are recomputed per 1,024-token chunk in backward in every variant
+The LM head's logits are recomputed per 256-token chunk in backward in every variant
 (`keel.logprobs.token_logprobs`).
 - lora: peft LoRA r=16 on the attention and MLP projections (`pip install peft==0.21.2`, an
   optional dependency); rollout and update get `peft_model.get_base_model()`, the causal LM with
@@ -23,6 +23,7 @@ The LM head's logits are recomputed per 1,024-token chunk in backward in every v
 
     python bench/step_memory.py                      # full, full-ckpt, lora, lora-ckpt (~5 min)
     python bench/step_memory.py --variants full --prompts 8
+    python bench/step_memory.py --mmap-threshold-mb 2        # glibc returns freed tensors (keel/memory.py)
 Ends with `peak_rss_<variant>_gb=<x>` per variant.
 """
 
@@ -41,7 +42,7 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # kB on Linux
 
 
-def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int = 2) -> dict:
+def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int = 2, mmap_mb: float = 0.0) -> dict:
     import torch
 
     from keel import metrics as M
@@ -54,6 +55,10 @@ def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int 
     from keel.train import grpo_update
 
     torch.set_num_threads(threads)
+    if mmap_mb:
+        from keel.memory import set_mmap_threshold
+
+        assert set_mmap_threshold(mmap_mb), "no glibc mallopt"
     out = {"variant": variant}
     model, tok = load_model("smollm2")
     ref = None
@@ -104,20 +109,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", default="full,full-ckpt,lora,lora-ckpt", help="comma-separated: full, full-ckpt, lora, lora-ckpt")
     ap.add_argument("--ckpt-micro", type=int, default=2, help="micro-batch of the -ckpt variants")
+    ap.add_argument("--mmap-threshold-mb", type=float, default=0.0, help="as run.malloc_mmap_threshold_mb (0: glibc default)")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.prompts, args.group, args.threads, args.ckpt_micro)))
+        print(json.dumps(child(args.child, args.prompts, args.group, args.threads, args.ckpt_micro, args.mmap_threshold_mb)))
         return
     results = {}
     for variant in args.variants.split(","):
         if variant not in ("full", "full-ckpt", "lora", "lora-ckpt"):
             sys.exit(f"step_memory: unknown variant {variant!r} (full, full-ckpt, lora, lora-ckpt)")
         cmd = [sys.executable, __file__, "--child", variant, "--prompts", str(args.prompts), "--group", str(args.group),
-               "--threads", str(args.threads), "--ckpt-micro", str(args.ckpt_micro)]
+               "--threads", str(args.threads), "--ckpt-micro", str(args.ckpt_micro), "--mmap-threshold-mb", str(args.mmap_threshold_mb)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]

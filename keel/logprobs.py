@@ -123,7 +123,7 @@ def token_logprobs(
     attention_mask: torch.Tensor,
     target_mask: torch.Tensor,
     temperature: float = 1.0,
-    chunk: int = 1024,
+    chunk: int = 256,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the target tokens, in row-major order of `target_mask`.

@@ -338,6 +338,11 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
         barrier(ctx)
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
+    if cfg.run.malloc_mmap_threshold_mb:
+        from keel.memory import set_mmap_threshold
+
+        if not set_mmap_threshold(cfg.run.malloc_mmap_threshold_mb) and ctx.is_main:
+            print("[keel] warning: run.malloc_mmap_threshold_mb has no effect here (no glibc mallopt)", flush=True)
     # fails here, before training, if a package is missing; other ranks log nothing
     tracker = make_tracker(cfg.report_to if ctx.is_main else [], run, config=to_dict(cfg), run_name=run.name)
     try:
