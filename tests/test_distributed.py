@@ -7,13 +7,13 @@ from __future__ import annotations
 import copy
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from fakes import EchoEnv, make_tasks
+from runs import free_port
 from keel import metrics as M
 from keel.config import Config
 from keel.distributed import (
@@ -121,12 +121,6 @@ def _worker(rank, world, port, state, ref_state, batches, pad_id, tiny_config, o
         torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_one_process(tiny, tmp_path):
     model, tok = tiny
     batches = _batches(tiny)
@@ -139,7 +133,7 @@ def test_two_processes_match_one_process(tiny, tmp_path):
             p.add_(0.01 * torch.randn_like(p))  # a reference ≠ policy: the KL term has a gradient
     state, ref_state = copy.deepcopy(model.state_dict()), copy.deepcopy(ref_model.state_dict())
     world = 2
-    mp.start_processes(_worker, args=(world, _free_port(), state, ref_state, batches, tok.pad_token_id, model.config, str(tmp_path)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, free_port(), state, ref_state, batches, tok.pad_token_id, model.config, str(tmp_path)), nprocs=world, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for aggregation in ("token-mean", "seq-mean-token-mean"):
         expected, norms = _one_process(state, ref_state, batches, aggregation, tok.pad_token_id, model.config)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +21,8 @@ import pytest
 
 from keel.config import Config
 from keel.distributed import DistContext
-from keel.metrics import NONDETERMINISTIC_PREFIXES
 from keel.train import check_distributed_config
+from runs import assert_same_lines, deterministic_lines, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["configs/kg_ops.yaml", "--smoke", "--set", "run.progress=false", "--set", "grpo.lr=1e-3", "--set", "grpo.steps=3",
@@ -33,20 +32,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _lines(run: Path) -> list[dict]:
-    out = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        out.append({k: v for k, v in d.items() if not k.startswith(NONDETERMINISTIC_PREFIXES) and not k.startswith("time/")})
-    return out
-
-
 @pytest.mark.skipif(not ACCELERATE.exists(), reason="accelerate's launcher is not installed next to this Python")
 def test_two_processes_under_accelerate_launch_match_one_process(tmp_path):
     from safetensors.torch import load_file
@@ -54,22 +39,15 @@ def test_two_processes_under_accelerate_launch_match_one_process(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     r = subprocess.run([sys.executable, "-m", "keel.cli", "train", *ARGS, "--out", str(one)], cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
-    launch = [str(ACCELERATE), "launch", "--config_file", "configs/accelerate/ddp_cpu.yaml", "--main_process_port", str(_free_port()),
+    launch = [str(ACCELERATE), "launch", "--config_file", "configs/accelerate/ddp_cpu.yaml", "--main_process_port", str(free_port()),
               "-m", "keel.cli", "train", *ARGS, "--out", str(two)]
     r = subprocess.run(launch, cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((two / "summary.json").read_text())["processes"] == 2
 
-    expected, got = _lines(one), _lines(two)
+    expected, got = deterministic_lines(one), deterministic_lines(two)
     assert [d["phase"] for d in got] == ["eval", "sft", "sft", "eval", "rl", "rl", "rl"]
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected):
-        assert a.keys() == b.keys(), a["step"]
-        for k in a:
-            if isinstance(a[k], float):
-                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (a["step"], k)
-            else:
-                assert a[k] == b[k], (a["step"], k)
+    assert_same_lines(got, expected, rel=1e-4, abs=1e-6)
     for name in ("step_000000.jsonl", "step_000005.jsonl"):  # dev records gathered in dev order
         assert (two / "eval" / name).read_text() == (one / "eval" / name).read_text()
 

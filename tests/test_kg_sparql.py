@@ -10,7 +10,6 @@ import json
 import logging
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from runs import free_port
 from keel.kg.sparql import (
     FREEBASE_NS,
     MAX_ID_CHARS,
@@ -473,12 +473,6 @@ def _oxigraph_binary() -> str | None:
     return found or (str(local) if local.exists() else None)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def oxigraph_server(tmp_path):
     """(endpoint, triples, names, entities, relations) of a served random graph."""
@@ -490,7 +484,7 @@ def oxigraph_server(tmp_path):
     write_ntriples(graph, triples, names)
     location = tmp_path / "db"
     subprocess.run([binary, "load", "--location", str(location), "--file", str(graph)], check=True, capture_output=True, timeout=60)
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [binary, "serve-read-only", "--location", str(location), "--bind", f"127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL,
@@ -535,7 +529,7 @@ def test_remote_embedded_memory_identical(oxigraph_server):
 def test_remote_dead_endpoint_answers_empty_and_logs(oxigraph_server, caplog):
     endpoint, *_ = oxigraph_server
     store = RemoteSparqlStore(endpoint, timeout_s=2)
-    store.endpoint = f"http://127.0.0.1:{_free_port()}/query"  # the server "goes away"
+    store.endpoint = f"http://127.0.0.1:{free_port()}/query"  # the server "goes away"
     with caplog.at_level(logging.ERROR, logger="keel.kg.sparql"):
         assert store.tail_relations("m.01") == []
         assert store.tail_entities("m.01", "a.b") == []
@@ -547,7 +541,7 @@ def test_remote_dead_endpoint_answers_empty_and_logs(oxigraph_server, caplog):
 
 
 def test_remote_constructor_errors():
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     with pytest.raises(ConnectionError, match=rf"SPARQL endpoint http://127.0.0.1:{port}/sparql is not usable: connection failed") as info:
         RemoteSparqlStore(f"http://127.0.0.1:{port}/sparql", timeout_s=2)
     assert "\n" not in str(info.value)

@@ -5,7 +5,6 @@ resumed LoRA run continues exactly."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.metrics import NONDETERMINISTIC_PREFIXES
+from runs import assert_same_lines, deterministic_lines
 
 pytest.importorskip("peft")  # the `lora` extra; installed by the dev extra that .ci/run uses
 
@@ -27,14 +26,6 @@ ARGS = ["configs/kg_ops.yaml", "--smoke", "--set", "run.progress=false", "--set"
 
 def _train(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "keel.cli", "train", *args], cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
-
-
-def _lines(run: Path) -> list[dict]:
-    out = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        out.append({k: v for k, v in d.items() if not k.startswith(NONDETERMINISTIC_PREFIXES) and not k.startswith("time/")})
-    return out
 
 
 def test_fold_keeps_the_function_and_makes_it_the_adapters_off_model(tiny):
@@ -69,7 +60,7 @@ def test_lora_run_trains_adapters_and_saves_a_plain_model(tmp_path):
     run = tmp_path / "run"
     r = _train(*ARGS, "--set", "grpo.steps=2", "--out", str(run))
     assert r.returncode == 0, r.stderr[-2000:]
-    lines = _lines(run)
+    lines = deterministic_lines(run)
     assert [d["phase"] for d in lines] == ["eval", "sft", "sft", "eval", "rl", "rl"]
     assert lines[-1]["kl/k3_mean"] > 0  # policy (adapters on) vs reference (adapters off) differ after an RL step
 
@@ -100,12 +91,6 @@ def test_resumed_lora_run_continues_exactly(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     r = _train("--resume", str(resumed), "--set", "grpo.steps=3")
     assert r.returncode == 0, r.stderr[-2000:]
-    expected, got = _lines(straight), _lines(resumed)
-    assert len(got) == len(expected) == 7
-    for a, b in zip(got, expected):
-        assert a.keys() == b.keys()
-        for k in a:
-            if isinstance(a[k], float):
-                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
-            else:
-                assert a[k] == b[k], (a["step"], k)
+    expected, got = deterministic_lines(straight), deterministic_lines(resumed)
+    assert len(expected) == 7
+    assert_same_lines(got, expected)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keel.metrics import NONDETERMINISTIC_PREFIXES
+from runs import assert_same_lines, deterministic_lines
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--set", "sft.steps=3", "--set", "grpo.steps=3", "--set", "eval.every=2", "--set", "grpo.skip_zero_advantage=false",
@@ -25,20 +25,12 @@ def _cmd(*args):
     return [sys.executable, "-m", "keel.cli", "train", *args]
 
 
-def _lines(run: Path) -> list[dict]:
-    out = []
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        d = json.loads(line)
-        out.append({k: v for k, v in d.items() if not k.startswith(NONDETERMINISTIC_PREFIXES) and not k.startswith("time/")})
-    return out
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     run = tmp_path_factory.mktemp("resume") / "straight"
     r = subprocess.run(_cmd("configs/smoke.yaml", "--out", str(run), *ARGS), cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
-    expected = _lines(run)
+    expected = deterministic_lines(run)
     assert len(expected) >= 7  # eval, 3 sft, eval, 3 rl
     return expected
 
@@ -57,17 +49,6 @@ def _kill_after(run: Path, cut: int) -> None:
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
 
 
-def _assert_same(got: list[dict], expected: list[dict]) -> None:
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected):
-        assert a.keys() == b.keys()
-        for k in a:
-            if isinstance(a[k], float):
-                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), (a["step"], k)
-            else:
-                assert a[k] == b[k], (a["step"], k)
-
-
 @pytest.mark.parametrize("where", ["random step", "before the first checkpoint"])
 def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, straight, where):
     # "before the first checkpoint": killed once the first line (the eval before SFT) is out,
@@ -77,7 +58,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_run(tmp_path, straight, wh
     _kill_after(killed, cut)
     r = subprocess.run(_cmd("--resume", str(killed)), cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
-    _assert_same(_lines(killed), straight)
+    assert_same_lines(deterministic_lines(killed), straight)
 
 
 def test_resume_of_a_directory_that_is_not_a_run_is_a_one_line_error(tmp_path):
@@ -143,5 +124,5 @@ def test_sigint_finishes_the_step_checkpoints_and_resume_completes(tmp_path):
     assert summary["interrupted"] is True
     r = subprocess.run(_cmd("--resume", str(run)), cwd=REPO, capture_output=True, text=True, timeout=300, env=ENV)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert [x["step"] for x in _lines(run)] == [x["step"] for x in _lines(straight)]
+    assert [x["step"] for x in deterministic_lines(run)] == [x["step"] for x in deterministic_lines(straight)]
     assert json.loads((run / "summary.json").read_text())["interrupted"] is False

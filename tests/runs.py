@@ -1,0 +1,39 @@
+"""Helpers for tests that compare whole runs through the real CLI: the deterministic part of
+metrics.jsonl, a step-by-step comparison, and a free loopback port for launched servers."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from keel.metrics import NONDETERMINISTIC_PREFIXES
+
+
+def deterministic_lines(run: Path) -> list[dict]:
+    """metrics.jsonl of `run` without wall-time, memory and throughput keys."""
+    out = []
+    for line in (Path(run) / "metrics.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        out.append({k: v for k, v in d.items() if not k.startswith(NONDETERMINISTIC_PREFIXES) and not k.startswith("time/")})
+    return out
+
+
+def assert_same_lines(got: list[dict], expected: list[dict], rel: float = 1e-5, abs: float = 1e-7) -> None:
+    """Same number of lines, same keys per line, floats within rel/abs, everything else equal."""
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.keys() == b.keys(), a["step"]
+        for k in a:
+            if isinstance(a[k], float):
+                assert a[k] == pytest.approx(b[k], rel=rel, abs=abs), (a["step"], k)
+            else:
+                assert a[k] == b[k], (a["step"], k)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
