@@ -21,6 +21,7 @@ no shared prefix it prefills each distinct prompt alone and zero-pads the cache.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -102,9 +103,7 @@ def _growing_cache():
     return cache
 
 
-_GROWING_LAYER = None
-
-
+@functools.cache
 def _growing_layer_class():
     """`DynamicLayer` appends with torch.cat: every decode step copies the whole cache (at batch
     16 and 1,300 tokens of history, ~1 GB per step for SmolLM2's 30 layers, which is what made
@@ -113,9 +112,6 @@ def _growing_layer_class():
     step writes only its new column. Any method of the base class that replaces `keys`/`values`
     (batch_repeat_interleave, reorder_cache, ...) is honoured: the next update adopts the new
     tensors into fresh buffers."""
-    global _GROWING_LAYER
-    if _GROWING_LAYER is not None:
-        return _GROWING_LAYER
     from transformers.cache_utils import DynamicLayer
 
     class _GrowingLayer(DynamicLayer):
@@ -142,8 +138,7 @@ def _growing_layer_class():
             self.values = self._vbuf[:, :, : n + new]
             return self.keys, self.values
 
-    _GROWING_LAYER = _GrowingLayer
-    return _GROWING_LAYER
+    return _GrowingLayer
 
 
 def _forward(model, input_ids, attn, positions, cache):

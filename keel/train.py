@@ -889,11 +889,9 @@ class Trainer:
             if not t_global:  # nothing trained anywhere: the ratio is 1 by convention, as in one process
                 stats[M.LOSS_RATIO_MEAN] = 1.0
             # telemetry rows of every rank, numbered as one process numbers them (row order)
-            parts = gather_objects([x for x in sink if x[0] < len(local)], ctx)  # sampled rows only, not gold ones
-            sink, offset = [], 0
-            for r, part in enumerate(parts):
-                sink += [(i + offset, ids, lp, rp, en) for i, ids, lp, rp, en in part]
-                offset += len(shard_groups(len(batch_tasks), DistContext(r, ctx.world_size))) * (len(rows) // len(batch_tasks))
+            # sampled rows only, not gold ones; shards are equal, so rank r's rows start at r·len(local)
+            parts = gather_objects([x for x in sink if x[0] < len(local)], ctx)
+            sink = [(i + r * len(local), ids, lp, rp, en) for r, part in enumerate(parts) for i, ids, lp, rp, en in part]
         else:
             stats = grpo_update(self.model, self.ref_model, self.opt, members, adv, cfg, self.pad_id, cfg.rollout.temperature, sink,
                                 old_from_policy=old_from_policy, extra_losses=extra)
