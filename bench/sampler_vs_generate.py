@@ -9,17 +9,18 @@ over the full vocabulary, one assistant turn, no early stop on either side:
   so every row runs to max_new_tokens (then the turn counts as truncated and no tool is run).
 Repetitions are interleaved A/B/C/A/B/C on one machine; medians and ratios are printed.
 
-    python bench/sampler_vs_generate.py                        # batch 16, 64 new tokens, 2 reps (~3 min)
+    python bench/sampler_vs_generate.py                        # batch 16, 64 new tokens, 2 reps (~5 min)
     python bench/sampler_vs_generate.py --batch 32 --new-tokens 128 --reps 3
-    python bench/sampler_vs_generate.py --no-lean              # skip the monkeypatched lean decode step
+    python bench/sampler_vs_generate.py --no-bf16              # fp32 only
 
-Variants measured besides the shipped engine (fp32 weights):
-- "keel bf16 weights": the same `rollout` on a bf16 copy of the policy (no code change; the
-  trainer keeps fp32 and copies weights into the sampler after each update).
-- "keel lean step": `keel.rollout._forward` monkeypatched to pass `logits_to_keep=1`, so the
-  LM head (49,152 × 576) runs on the last position only. During decode there is one position
-  anyway; in the prefill and tool-response blocks it saves the full [B, T, 49k] logits.
-Ends with `speedup_vs_generate=<ratio>` (shipped engine, fp32, vs generate fp32).
+Variants (each dtype against `generate` in the same dtype):
+- "keel": the shipped engine. On CPU the prompts' shared prefix is kept once per layer and
+  read once per step (keel.cascade); the questions and every generated token go in the rows'
+  own cache.
+- "keel repeated prefix": the same engine with keel.cascade switched off, so the prefix's keys
+  and values are repeated per row (what the engine did before; the prefix is still encoded once).
+- bf16: the same on a bf16 copy of the weights (the trainer's `rollout.dtype: bfloat16`).
+Ends with `speedup_vs_generate=<ratio>` (shipped engine vs generate, both fp32).
 """
 
 from __future__ import annotations
@@ -82,19 +83,13 @@ def time_keel(model, tok, env, tasks, new_tokens: int, seed: int) -> float:
     return elapsed
 
 
-def lean_forward(model, input_ids, attn, positions, cache):
-    """`keel.rollout._forward` with logits for the last position only (proposed change)."""
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :].float(), out.past_key_values
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions of each variant (median reported)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--no-lean", action="store_true", help="skip the monkeypatched lean-step variant")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 variants")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -102,46 +97,48 @@ def main() -> None:
 
     model, tok = load_model("smollm2")
     model.eval()
-    bf16 = load_model("smollm2", dtype="bfloat16")[0].eval()
     env, tasks = kg_setup(args.batch)
     prompts = [encode_prompt(tok, env, t)[0] for t in tasks]
     print(f"batch {args.batch}, {args.new_tokens} new tokens, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"threads {torch.get_num_threads()}, reps {args.reps}", flush=True)
 
-    shipped_forward = engine._forward
-    variants = {
-        "generate fp32": lambda s: time_generate(model, tok, prompts, args.new_tokens, s),
-        "keel fp32": lambda s: time_keel(model, tok, env, tasks, args.new_tokens, s),
-        "keel bf16 weights": lambda s: time_keel(bf16, tok, env, tasks, args.new_tokens, s),
-    }
+    shipped = engine._cascade_attention
 
-    def keel_lean(model_, s):
-        engine._forward = lean_forward
+    def repeated(model_, s):
+        engine._cascade_attention = lambda m, enabled: shipped(m, False)
         try:
             return time_keel(model_, tok, env, tasks, args.new_tokens, s)
         finally:
-            engine._forward = shipped_forward
+            engine._cascade_attention = shipped
 
-    if not args.no_lean:
-        variants["keel lean step fp32"] = lambda s: keel_lean(model, s)
-        variants["keel lean step bf16"] = lambda s: keel_lean(bf16, s)
+    models = {"fp32": model}
+    if not args.no_bf16:
+        models["bf16"] = load_model("smollm2", dtype="bfloat16")[0].eval()
+    variants = {}
+    for dt, m in models.items():
+        variants[f"generate {dt}"] = lambda s, m=m: time_generate(m, tok, prompts, args.new_tokens, s)
+        variants[f"keel {dt}"] = lambda s, m=m: time_keel(m, tok, env, tasks, args.new_tokens, s)
+        variants[f"keel {dt} repeated prefix"] = lambda s, m=m: repeated(m, s)
     # warm-up (first calls allocate caches, build kernels): not timed
-    time_keel(model, tok, env, tasks[:2], 4, 0)
-    time_generate(model, tok, prompts[:2], 4, 0)
+    for m in models.values():
+        time_keel(m, tok, env, tasks[:2], 4, 0)
+        time_generate(m, tok, prompts[:2], 4, 0)
     times: dict[str, list[float]] = {k: [] for k in variants}
     for rep in range(args.reps):
         for name, fn in variants.items():
             times[name].append(fn(rep))
-            print(f"  rep {rep} {name:22s} {times[name][-1]:7.2f} s", flush=True)
+            print(f"  rep {rep} {name:26s} {times[name][-1]:7.2f} s", flush=True)
     n_tokens = args.batch * args.new_tokens
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"\n{'variant':22s} {'median s':>9s} {'tokens/s':>9s} {'vs generate':>12s}")
+    print(f"\n{'variant':26s} {'median s':>9s} {'tokens/s':>9s} {'vs generate (same dtype)':>25s}")
     for name, t in med.items():
-        print(f"{name:22s} {t:9.2f} {n_tokens / t:9.1f} {med['generate fp32'] / t:11.2f}x")
-    for name in variants:
-        if name != "generate fp32":
-            key = name.replace("keel ", "").replace(" ", "_")
-            print(f"speedup_vs_generate_{key}={med['generate fp32'] / med[name]:.2f}")
+        anchor = med["generate " + name.split()[1]]
+        print(f"{name:26s} {t:9.2f} {n_tokens / t:9.1f} {anchor / t:24.2f}x")
+    for dt in models:
+        print(f"speedup_vs_generate_{dt}_repeated_prefix={med[f'generate {dt}'] / med[f'keel {dt} repeated prefix']:.2f}")
+        print(f"speedup_vs_generate_{dt}={med[f'generate {dt}'] / med[f'keel {dt}']:.2f}")
+    if "bf16" in models:
+        print(f"speedup_keel_bf16_vs_generate_fp32={med['generate fp32'] / med['keel bf16']:.2f}")
     print(f"speedup_vs_generate={med['generate fp32'] / med['keel fp32']:.2f}")
     sys.stdout.flush()
 

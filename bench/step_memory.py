@@ -7,7 +7,8 @@ the rollout, and the update. Target ≤ 3 GB.
 The step: `--prompts` KG questions × `--group` rollouts (default 2 × 4 = 8 episodes, up to 4
 turns of ≤ 96 tokens, the default config's limits) → group advantages from a fixed reward
 pattern (half the members rewarded, so every group trains) → `grpo_update` with AdamW and
-micro-batch 8. The peak of an update is set by one micro-batch (8 sequences), not by the
+micro-batch 8 rows, cut further by `model.max_tokens_per_micro_batch` (`--max-tokens`; the
+config default unless given). The peak of an update is set by one micro-batch, not by the
 number of micro-batches, so the default config's 8 × 4 = 32 episodes peak at the same memory.
 
 - full: every weight trains; the frozen reference is a deep copy (as in `keel.train`).
@@ -18,8 +19,8 @@ The LM head's logits are recomputed per 256-token chunk in backward in every var
 - lora: peft LoRA r=16 on the attention and MLP projections (`pip install peft==0.21.2`, an
   optional dependency); rollout and update get `peft_model.get_base_model()`, the causal LM with
   the adapters injected (Keel's `token_logprobs` cannot take the PeftModel wrapper itself). The reference is passed as None (KL term 0): with LoRA the reference
-  is the base model with the adapter switched off, which needs no second copy; `grpo_update`
-  has no switch for that yet, so the reference forward is left out here.
+  is the base model with the adapter switched off, which needs no second copy (`keel.models.LoRA`
+  in training); its no-grad forward is left out here.
 
     python bench/step_memory.py                      # full, full-ckpt, lora, lora-ckpt (~5 min)
     python bench/step_memory.py --variants full --prompts 8
@@ -42,7 +43,7 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # kB on Linux
 
 
-def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int = 2, mmap_mb: float = 0.0) -> dict:
+def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int = 2, mmap_mb: float = 0.0, max_tokens: int = -1) -> dict:
     import torch
 
     from keel import metrics as M
@@ -83,6 +84,9 @@ def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int 
     groups = [k for k in range(prompts) for _ in range(group)]
     cfg = Config()
     cfg.grpo.micro_batch_size = ckpt_micro if ckpt else 8
+    if max_tokens >= 0:
+        cfg.model.max_tokens_per_micro_batch = max_tokens
+    out["max_tokens"] = cfg.model.max_tokens_per_micro_batch
     if ckpt:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     t0 = time.perf_counter()
@@ -110,20 +114,22 @@ def main() -> None:
     ap.add_argument("--variants", default="full,full-ckpt,lora,lora-ckpt", help="comma-separated: full, full-ckpt, lora, lora-ckpt")
     ap.add_argument("--ckpt-micro", type=int, default=2, help="micro-batch of the -ckpt variants")
     ap.add_argument("--mmap-threshold-mb", type=float, default=0.0, help="as run.malloc_mmap_threshold_mb (0: glibc default)")
+    ap.add_argument("--max-tokens", type=int, default=-1, help="model.max_tokens_per_micro_batch (default: the config default; 0: no cap)")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.prompts, args.group, args.threads, args.ckpt_micro, args.mmap_threshold_mb)))
+        print(json.dumps(child(args.child, args.prompts, args.group, args.threads, args.ckpt_micro, args.mmap_threshold_mb, args.max_tokens)))
         return
     results = {}
     for variant in args.variants.split(","):
         if variant not in ("full", "full-ckpt", "lora", "lora-ckpt"):
             sys.exit(f"step_memory: unknown variant {variant!r} (full, full-ckpt, lora, lora-ckpt)")
         cmd = [sys.executable, __file__, "--child", variant, "--prompts", str(args.prompts), "--group", str(args.group),
-               "--threads", str(args.threads), "--ckpt-micro", str(args.ckpt_micro), "--mmap-threshold-mb", str(args.mmap_threshold_mb)]
+               "--threads", str(args.threads), "--ckpt-micro", str(args.ckpt_micro), "--mmap-threshold-mb", str(args.mmap_threshold_mb),
+               "--max-tokens", str(args.max_tokens)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
@@ -134,7 +140,7 @@ def main() -> None:
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         results[variant] = r
         print(f"{variant}: {r['trainable_params'] / 1e6:.1f}M trainable; {r['tokens']} tokens ({r['policy_tokens']} policy, "
-              f"{r['trained_members']:.0f} trained members); rollout {r['rollout_s']:.1f} s, update {r['update_s']:.1f} s; "
+              f"{r['trained_members']:.0f} trained members, token cap {r['max_tokens']}); rollout {r['rollout_s']:.1f} s, update {r['update_s']:.1f} s; "
               f"peak RSS after load {r['rss_after_load_gb']:.2f} GB, after rollout {r['rss_after_rollout_gb']:.2f} GB, "
               f"after update {r['peak_rss_gb']:.2f} GB", flush=True)
     for variant, r in results.items():

@@ -97,6 +97,7 @@ def main() -> None:
     trajs, adv = make_batch(model, tok, args.trajectories)
     cfg = Config()
     cfg.grpo.micro_batch_size = args.micro_batch
+    cfg.model.max_tokens_per_micro_batch = 0  # micro-batches of exactly --micro-batch rows
     cfg.grpo.skip_zero_advantage = False
     n_tokens = sum(len(t.token_ids) for t in trajs)
     n_policy = sum(t.num_policy_tokens for t in trajs)

@@ -88,6 +88,41 @@ def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
     return int(diff[0]) if diff.numel() else limit
 
 
+def micro_batches(sequences: list[list[int]], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+    """Split sequence indices into consecutive micro-batches of at most `max_rows` rows whose
+    forward encodes at most `max_tokens` token positions (0: no token cap).
+
+    A micro-batch's cost is what `_hidden_states` encodes: the rows' shared prefix once, then
+    every row right-padded to the longest remainder: lcp + rows × (longest − lcp) (lcp counted
+    only when it reaches MIN_SHARED_PREFIX). Training activations grow with that count
+    (~1.2 MB per position for SmolLM2 under bf16 autocast), so the cap bounds a step's memory
+    whatever the sampled lengths. A single row over the cap forms its own micro-batch.
+    Worked example: lengths 100, 100, 300 with no shared prefix, max_tokens 300 → [[0, 1], [2]].
+    """
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    lcp = longest = 0
+    for i, seq in enumerate(sequences):
+        if cur:
+            first = sequences[cur[0]]
+            limit = min(lcp, len(seq) - 1)
+            n = 0
+            while n < limit and seq[n] == first[n]:
+                n += 1
+            new_lcp, new_longest = n, max(longest, len(seq))
+            shared = new_lcp if new_lcp >= MIN_SHARED_PREFIX else 0
+            cost = shared + (len(cur) + 1) * (new_longest - shared)
+            if len(cur) < max_rows and (max_tokens <= 0 or cost <= max_tokens):
+                cur.append(i)
+                lcp, longest = new_lcp, new_longest
+                continue
+            groups.append(cur)
+        cur, lcp, longest = [i], len(seq) - 1, len(seq)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
 def _hidden_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Last hidden states [B, T, H]. Rows of a batch usually share their prompt's system block
     (~600 of ~900 tokens on the KG task): it is encoded once and its KV cache repeated over the

@@ -21,6 +21,7 @@ no shared prefix it prefills each distinct prompt alone and zero-pads the cache.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from keel import cascade
 from keel.chat import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE, render_tool_responses, render_user_turn
 from keel.episode import process_turn
 from keel.types import Env, Source, Task, Trajectory
@@ -115,6 +117,11 @@ def _growing_layer_class():
     from transformers.cache_utils import DynamicLayer
 
     class _GrowingLayer(DynamicLayer):
+        prefix: tuple[torch.Tensor, torch.Tensor] | None = None  # shared prefix K/V [1, kv, P, D] (keel.cascade)
+
+        def get_seq_length(self) -> int:
+            return super().get_seq_length() + (self.prefix[0].shape[-2] if self.prefix is not None else 0)
+
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
@@ -143,18 +150,35 @@ def _growing_layer_class():
 
 def _forward(model, input_ids, attn, positions, cache):
     # logits_to_keep=1: only the last column's logits are used; a 60-token tool block at batch 16
-    # would otherwise materialise 16×60×49k logits
-    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    # would otherwise materialise 16×60×49k logits. keel_cache: read by keel.cascade's attention.
+    out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True,
+                logits_to_keep=1, keel_cache=cache)
     return out.logits[:, -1, :].float(), out.past_key_values
 
 
-def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, object, torch.Tensor]:
+@contextlib.contextmanager
+def _cascade_attention(model, enabled: bool):
+    """Run the model with keel.cascade's attention (shared prefix stored and read once) inside."""
+    config = model.config
+    before = config._attn_implementation
+    if not enabled or before != "sdpa":  # eager/flash implementations are left as they are
+        yield False
+        return
+    config._attn_implementation = cascade.register()
+    try:
+        yield True
+    finally:
+        config._attn_implementation = before
+
+
+def _prefill(model, prompts: list[list[int]], device, shared: bool = False) -> tuple[torch.Tensor, object, torch.Tensor]:
     """Encode the prompts into one batched KV cache.
 
     Returns (last logits [B, V], cache, attention mask [B, L]). Prompts of one run share a long
     prefix (system block with the tool schemas, ~600 tokens for the KG env): it is encoded once
-    and the cache is repeated over the batch; the ragged remainders (the questions) then go in
-    as one right-aligned block. Without a shared prefix, each distinct prompt is encoded alone.
+    and, with `shared` (keel.cascade's attention active), kept once in every layer; otherwise
+    the cache is repeated over the batch. The ragged remainders (the questions) then go in as
+    one right-aligned block. Without a shared prefix, each distinct prompt is encoded alone.
     """
     B = len(prompts)
     min_len = min(len(p) for p in prompts)
@@ -166,7 +190,13 @@ def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, obj
         return _prefill_each(model, prompts, device)
     out = model(input_ids=torch.tensor([first[:lcp]], device=device), past_key_values=_growing_cache(), use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
-    cache.batch_repeat_interleave(B)
+    if shared:
+        prefix, cache = cache, _growing_cache()
+        for layer in prefix.layers:
+            cache.layers.append(_growing_layer_class()())
+            cache.layers[-1].prefix = (layer.keys, layer.values)
+    else:
+        cache.batch_repeat_interleave(B)
     rest = [p[lcp:] for p in prompts]
     width = max(len(r) for r in rest)
     feed = torch.zeros(B, width, dtype=torch.long, device=device)
@@ -278,8 +308,10 @@ def rollout(
         traj = Trajectory(task_id=task.id, token_ids=[], sources=[], logprobs=[], group=groups[i] if groups else -1)
         rows.append(_Row(task=task, episode=env.start(task), ids=ids, sources=sources, logprobs=[0.0] * len(ids), traj=traj))
     t0 = time.perf_counter()
+    attention = contextlib.ExitStack()
     try:
-        logits, cache, attn = _prefill(model, [r.ids for r in rows], device)
+        shared = attention.enter_context(_cascade_attention(model, device.type == "cpu"))
+        logits, cache, attn = _prefill(model, [r.ids for r in rows], device, shared)
         for r in rows:
             r.n_valid = len(r.ids)
         B = len(rows)
@@ -375,6 +407,7 @@ def rollout(
             attn = torch.cat([attn, block_mask], dim=1)
             logits, cache = _forward(model, feed, attn, positions, cache)
     finally:
+        attention.close()
         for r in rows:
             try:
                 r.episode.close()

@@ -34,7 +34,7 @@ from keel.config import Config, dump_yaml
 from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
                               local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
 from keel.evaluate import evaluate_model
-from keel.logprobs import collate, token_logprobs
+from keel.logprobs import collate, micro_batches, token_logprobs
 from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate, sft_loss
 from keel.models import DTYPES, LoRA, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
@@ -83,14 +83,16 @@ def _autocast(enabled: bool, model):
     return torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
 
 
-def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad_norm: float, micro: int = 8, autocast: bool = False) -> dict[str, float]:
-    """One optimizer step of NLL on the examples' target tokens (token-mean over the batch)."""
+def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad_norm: float, micro: int = 8, autocast: bool = False,
+             max_tokens: int = 0) -> dict[str, float]:
+    """One optimizer step of NLL on the examples' target tokens (token-mean over the batch).
+    Micro-batches: at most `micro` examples and `max_tokens` encoded positions (`micro_batches`)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
     n_targets = sum(sum(e.targets[1:]) for e in examples)
     total = 0.0
-    for s in range(0, len(examples), micro):
-        ids, attn, tmask = collate_sft(examples[s : s + micro], pad_id)
+    for idx in micro_batches([e.token_ids for e in examples], micro, max_tokens):
+        ids, attn, tmask = collate_sft([examples[i] for i in idx], pad_id)
         with _autocast(autocast, model):
             logp, _ = token_logprobs(model, ids, attn, tmask)
         loss = sft_loss(logp, n_targets)
@@ -145,8 +147,9 @@ def grpo_update(
     num_tokens = sum(counts)
     num_seqs = max(len(members), 1)
     sums = {"pg": 0.0, "kl": 0.0, "k1": 0.0, "k3": 0.0, "low": 0.0, "high": 0.0, "ratio": 0.0, "ent": 0.0}
-    for s in range(0, len(members), g.micro_batch_size):
-        idx = members[s : s + g.micro_batch_size]
+    kept = [[t for t, src in zip(trajectories[i].token_ids, trajectories[i].sources) if src != Source.HINT] for i in members]
+    for part in micro_batches(kept, g.micro_batch_size, cfg.model.max_tokens_per_micro_batch):
+        idx = [members[j] for j in part]
         batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
         with _autocast(cfg.model.autocast, model):
             logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True)
@@ -202,7 +205,7 @@ def grpo_update(
         for kind, weight, examples in extra_losses:
             if not examples:
                 continue
-            value = supervision_backward(model, examples, pad_id, weight, g.micro_batch_size, cfg.model.autocast)
+            value = supervision_backward(model, examples, pad_id, weight, g.micro_batch_size, cfg.model.autocast, cfg.model.max_tokens_per_micro_batch)
             stats[{"sft": M.LOSS_SFT, "ets": M.LOSS_ETS, "reflection": M.LOSS_REFLECTION}[kind]] = value
             extra_total += weight * value
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g.max_grad_norm)
@@ -731,7 +734,8 @@ class Trainer:
         and the gradients are combined with token weights (keel.distributed.GradientSync)."""
         cfg, ctx = self.cfg, self.ctx
         if not ctx.enabled:
-            return sft_step(self.model, self.opt, batch, self.pad_id, cfg.grpo.max_grad_norm, autocast=cfg.model.autocast)
+            return sft_step(self.model, self.opt, batch, self.pad_id, cfg.grpo.max_grad_norm, autocast=cfg.model.autocast,
+                            max_tokens=cfg.model.max_tokens_per_micro_batch)
         per = -(-len(batch) // ctx.world_size)
         mine = batch[ctx.rank * per : (ctx.rank + 1) * per]
         n_local = sum(sum(e.targets[1:]) for e in mine)
@@ -740,7 +744,7 @@ class Trainer:
         sync = GradientSync(self.opt, self.model.parameters(), ctx, cfg.grpo.max_grad_norm)
         self.opt.zero_grad(set_to_none=True)
         sync.begin(weight)
-        stats = sft_step(self.model, sync, mine, self.pad_id, math.inf, autocast=cfg.model.autocast)
+        stats = sft_step(self.model, sync, mine, self.pad_id, math.inf, autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
         stats.update(sync.commit())
         stats[M.LOSS_SFT] = all_reduce_sum([stats[M.LOSS_SFT] * weight], ctx)[0]
         stats[M.SIGNAL_SFT_EXAMPLES] = float(len(batch))
@@ -788,7 +792,8 @@ class Trainer:
             return
         opt = torch.optim.AdamW(self.model.parameters(), lr=phase.lr, weight_decay=0.0, eps=self.cfg.grpo.adam_eps)
         lines = run_phase(self.model, examples, phase, self.pad_id, self.cfg.grpo.max_grad_norm, self.rng,
-                          self.cfg.grpo.micro_batch_size, optimizer=opt, autocast=self.cfg.model.autocast)
+                          self.cfg.grpo.micro_batch_size, optimizer=opt, autocast=self.cfg.model.autocast,
+                          max_tokens=self.cfg.model.max_tokens_per_micro_batch)
         for stats in lines:
             self.p.step += 1
             self.log({M.PHASE: "sft", **stats, M.SIGNAL_PHASE: phase.kind})

@@ -40,13 +40,22 @@ def test_micro_batch_size_does_not_change_gradients(tiny):
         cfg_a, cfg_b = Config(), Config()
         cfg_a.grpo.loss_aggregation = cfg_b.grpo.loss_aggregation = agg
         cfg_a.grpo.micro_batch_size, cfg_b.grpo.micro_batch_size = 8, 1
-        cfg_a.grpo.max_grad_norm = cfg_b.grpo.max_grad_norm = 1e9
+        cfg_a.model.max_tokens_per_micro_batch = 0
+        cfg_c = copy.deepcopy(cfg_a)  # 8 rows allowed, cut by a token cap into uneven micro-batches
+        from keel.logprobs import micro_batches
+
+        seqs = [t.token_ids for t in trajs]
+        cap = next(c for c in range(1, 10**6) if len(micro_batches(seqs, 8, c)) <= 3)  # smallest cap giving ≤ 3 micro-batches
+        cfg_c.model.max_tokens_per_micro_batch = cap
+        assert 1 < len(micro_batches(seqs, 8, cap)) < len(trajs)
+        cfg_a.grpo.max_grad_norm = cfg_b.grpo.max_grad_norm = cfg_c.grpo.max_grad_norm = 1e9
         ga, sa = _grads_after(model, trajs, adv, cfg_a, tok.pad_token_id)
-        gb, sb = _grads_after(model, trajs, adv, cfg_b, tok.pad_token_id)
-        assert ga.keys() == gb.keys() and ga
-        for k in ga:
-            assert torch.allclose(ga[k], gb[k], atol=1e-6, rtol=1e-4), (agg, k)
-        assert abs(sa["loss/policy"] - sb["loss/policy"]) < 1e-6
+        for cfg in (cfg_b, cfg_c):
+            gb, sb = _grads_after(model, trajs, adv, cfg, tok.pad_token_id)
+            assert ga.keys() == gb.keys() and ga
+            for k in ga:
+                assert torch.allclose(ga[k], gb[k], atol=1e-6, rtol=1e-4), (agg, k)
+            assert abs(sa["loss/policy"] - sb["loss/policy"]) < 1e-6
 
 
 def test_update_increases_the_advantage_weighted_likelihood(tiny):

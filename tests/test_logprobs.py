@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from keel.logprobs import MIN_SHARED_PREFIX, _hidden_states, shared_prefix_len, token_logprobs
+from keel.logprobs import MIN_SHARED_PREFIX, _hidden_states, micro_batches, shared_prefix_len, token_logprobs
 
 
 def _batch(tok):
@@ -115,3 +115,46 @@ def test_gradient_checkpointing_with_a_shared_prefix_batch(tiny):
     assert torch.allclose(plain[0], ckpt[0], atol=1e-5)
     for k in plain[2]:
         assert torch.allclose(plain[2][k], ckpt[2][k], atol=1e-6, rtol=1e-4), k
+
+
+def test_micro_batches_cut_by_rows_and_encoded_positions():
+    # no shared prefix: cost = rows × longest
+    plain = [list(range(1000, 1100)), list(range(2000, 2100)), list(range(3000, 3300))]
+    assert micro_batches(plain, max_rows=8, max_tokens=300) == [[0, 1], [2]]  # 2×100 = 200; 3×300 = 900
+    assert micro_batches(plain, max_rows=8, max_tokens=0) == [[0, 1, 2]]
+    assert micro_batches(plain, max_rows=1, max_tokens=0) == [[0], [1], [2]]
+    # a row over the cap still trains, alone
+    assert micro_batches([[1] * 10, [2] * 500, [3] * 10], max_rows=8, max_tokens=100) == [[0], [1], [2]]
+    # a 40-token shared prefix (≥ MIN_SHARED_PREFIX) is encoded once: cost = 40 + rows × (longest − 40)
+    assert MIN_SHARED_PREFIX <= 40
+    p = list(range(500, 540))
+    shared = [p + [1] * 10, p + [2] * 20, p + [3] * 60]  # lengths 50, 60, 100
+    assert micro_batches(shared, max_rows=8, max_tokens=220) == [[0, 1, 2]]  # 40 + 3×60 = 220
+    assert micro_batches(shared, max_rows=8, max_tokens=219) == [[0, 1], [2]]  # 40 + 2×20 = 80
+    # a 10-token common prefix is below MIN_SHARED_PREFIX: not shared, cost = rows × longest
+    short = [list(range(10)) + [1] * 40, list(range(10)) + [2] * 40]
+    assert micro_batches(short, max_rows=8, max_tokens=99) == [[0], [1]]
+    assert micro_batches(short, max_rows=8, max_tokens=100) == [[0, 1]]
+    assert micro_batches([], max_rows=8, max_tokens=100) == []
+
+
+def test_micro_batch_cost_is_what_the_forward_encodes():
+    """The prefix micro_batches assumes shared is the one _hidden_states shares (random batches)."""
+    from keel.logprobs import collate
+    from keel.types import Source, Trajectory
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n = int(torch.randint(2, 5, (1,), generator=g))
+        base = torch.randint(5, 50, (int(torch.randint(0, 80, (1,), generator=g)),), generator=g).tolist()
+        seqs = []
+        for _ in range(n):
+            cut = int(torch.randint(0, len(base) + 1, (1,), generator=g))
+            seqs.append(base[:cut] + torch.randint(5, 50, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist())
+        trajs = [Trajectory(task_id="t", token_ids=s, sources=[int(Source.POLICY)] * len(s), logprobs=[0.0] * len(s)) for s in seqs]
+        b = collate(trajs)
+        lcp = shared_prefix_len(b.input_ids, b.attention_mask)
+        shared = lcp if lcp >= MIN_SHARED_PREFIX else 0
+        cost = shared + n * (max(map(len, seqs)) - shared)
+        assert micro_batches(seqs, max_rows=n, max_tokens=cost) == [list(range(n))]
+        assert len(micro_batches(seqs, max_rows=n, max_tokens=cost - 1)) > 1

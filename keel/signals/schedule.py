@@ -210,17 +210,19 @@ class Schedule:
 # --- applying a supervision loss ------------------------------------------------------------------------
 
 
-def supervision_backward(model, examples: Sequence, pad_id: int, weight: float = 1.0, micro: int = 8, autocast: bool = False) -> float:
+def supervision_backward(model, examples: Sequence, pad_id: int, weight: float = 1.0, micro: int = 8, autocast: bool = False,
+                         max_tokens: int = 0) -> float:
     """Accumulate gradients of weight · NLL over the examples' targets (token-mean over all of
     them, `keel.losses.sft_loss`); no optimizer step. Returns the unweighted loss.
 
     Synchronous paradigm: call it inside the RL update, after the GRPO micro-batches' backward
     and before gradient clipping, once per kind with `Schedule.sync_weight(kind)`.
-    `autocast`: bf16 autocast of the forward, as train.py's `model.autocast`.
+    `autocast`: bf16 autocast of the forward, as train.py's `model.autocast`; micro-batches hold at
+    most `micro` examples and `max_tokens` encoded positions (`keel.logprobs.micro_batches`).
     """
     import torch
 
-    from keel.logprobs import token_logprobs
+    from keel.logprobs import micro_batches, token_logprobs
     from keel.losses import sft_loss
     from keel.sft import collate_sft
 
@@ -228,8 +230,8 @@ def supervision_backward(model, examples: Sequence, pad_id: int, weight: float =
         return 0.0
     n_targets = sum(sum(e.targets[1:]) for e in examples)
     total = 0.0
-    for s in range(0, len(examples), micro):
-        ids, attn, tmask = collate_sft(list(examples[s : s + micro]), pad_id)
+    for idx in micro_batches([e.token_ids for e in examples], micro, max_tokens):
+        ids, attn, tmask = collate_sft([examples[i] for i in idx], pad_id)
         device = next(model.parameters()).device
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             logp, _ = token_logprobs(model, ids.to(device), attn.to(device), tmask.to(device))
@@ -240,7 +242,8 @@ def supervision_backward(model, examples: Sequence, pad_id: int, weight: float =
 
 
 def run_phase(model, examples: Sequence, phase: SupervisionPhase, pad_id: int, max_grad_norm: float,
-              rng: random.Random, micro: int = 8, optimizer=None, autocast: bool = False) -> list[dict[str, float]]:
+              rng: random.Random, micro: int = 8, optimizer=None, autocast: bool = False,
+              max_tokens: int = 0) -> list[dict[str, float]]:
     """An interleaved supervision phase: `phase.epochs` shuffled passes over the examples in
     batches of `phase.batch_size`, one optimizer step per batch (a fresh AdamW at `phase.lr`
     unless `optimizer` is given). Returns one stats line per step (keel.metrics names)."""
@@ -260,7 +263,7 @@ def run_phase(model, examples: Sequence, phase: SupervisionPhase, pad_id: int, m
         for s in range(0, len(order), phase.batch_size):
             batch = [examples[i] for i in order[s : s + phase.batch_size]]
             opt.zero_grad(set_to_none=True)
-            loss = supervision_backward(model, batch, pad_id, 1.0, micro, autocast)
+            loss = supervision_backward(model, batch, pad_id, 1.0, micro, autocast, max_tokens)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             skipped = not (math.isfinite(loss) and torch.isfinite(norm))
             if skipped:  # a NaN must not poison the weights

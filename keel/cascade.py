@@ -1,0 +1,102 @@
+"""Shared-prefix ("cascade") attention for rollouts: the prompt prefix every row of a batch shares
+is stored once and read once per step, not once per row.
+
+A rollout batch is usually one or a few prompts repeated (a GRPO group), and on the KG task the
+shared system block with the tool schemas is ~560 of a prompt's ~620 tokens. A batched KV
+cache that repeats that block per row makes each decode step read it B times; on this CPU
+decode attention runs at ~8–10 GB/s, so at batch 16 the repeated prefix is most of the
+attention time (`bench/sampler_vs_generate.py`). Here each layer keeps the prefix's keys and
+values once ([1, kv_heads, P, D]) next to the rows' own growing cache, and attention is split:
+
+- prefix part: every query of every row against the one prefix, as a single attention call
+  whose "query length" is all rows' queries stacked (no mask: every row sees the whole prefix);
+- row part: each row's queries against its own keys, with the model's mask (holes, causality);
+- the two are merged exactly with their log-sum-exps (as in flash-decoding):
+  out = (o_p·e^(l_p−m) + o_r·e^(l_r−m)) / (e^(l_p−m) + e^(l_r−m)), m = max(l_p, l_r).
+
+Both parts use torch's CPU flash-attention kernel, which returns the log-sum-exp. On other
+devices, or when a layer has no prefix, the call goes to transformers' SDPA attention unchanged.
+`tests/test_cascade.py` checks the split against one SDPA call over the repeated cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "keel_cascade"
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, Q, D], lse [B, H, Q] fp32); `mask` is boolean (True = attend) or None."""
+    add = None
+    if mask is not None:
+        add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=add, scale=scale)
+
+
+def split_attention(query: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """Attention of `query` over [prefix ‖ own keys], the prefix shared by the whole batch.
+
+    query [B, H, Q, D]; prefix_k/v [1, KV, P, D]; key/value [B, KV, L, D] (H = KV · n_rep, query
+    head h reads kv head h // n_rep); mask: bool [B, 1, Q, L] over the rows' own keys (True =
+    attend) or None (all visible). Returns [B, H, Q, D].
+    """
+    B, H, Q, D = query.shape
+    KV = key.shape[1]
+    rep = H // KV
+    grouped = query.reshape(B, KV, rep * Q, D)  # row index r·Q + t: query head kv·rep + r, position t
+    # prefix: all rows' queries of a kv head as one long query block against the single prefix
+    stacked = grouped.transpose(0, 1).reshape(1, KV, B * rep * Q, D)
+    out_p, lse_p = _flash(stacked, prefix_k, prefix_v, None, scale)
+    out_p = out_p.reshape(KV, B, rep * Q, D).transpose(0, 1)
+    lse_p = lse_p.reshape(KV, B, rep * Q).transpose(0, 1)
+    # own keys: grouped query heads share their kv head's mask
+    rows_mask = None
+    if mask is not None:
+        rows_mask = mask[:, :, None].expand(B, 1, rep, Q, mask.shape[-1]).reshape(B, 1, rep * Q, mask.shape[-1])
+    out_r, lse_r = _flash(grouped, key, value, rows_mask, scale)
+    if rows_mask is not None:  # a query that sees none of its own keys (a hole) gets lse 0 from the kernel, not −inf
+        lse_r = lse_r.masked_fill(~rows_mask.any(-1).expand_as(lse_r), float("-inf"))
+    m = torch.maximum(lse_p, lse_r)
+    w_p = torch.exp(lse_p - m)[..., None]
+    w_r = torch.exp(lse_r - m)[..., None]
+    out = (out_p.float() * w_p + out_r.float() * w_r) / (w_p + w_r)
+    return out.to(query.dtype).reshape(B, H, Q, D)
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """A transformers attention function (registered as NAME): split attention when the layer's
+    cache holds a shared prefix, transformers' SDPA otherwise."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cache = kwargs.get("keel_cache")
+    prefix = None
+    if cache is not None and query.device.type == "cpu":
+        prefix = getattr(cache.layers[module.layer_idx], "prefix", None)
+    if prefix is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    P = prefix[0].shape[-2]
+    mask = attention_mask
+    if mask is not None:
+        if mask.dtype != torch.bool:  # an additive mask: 0 where visible
+            mask = mask == 0
+        mask = mask[..., P:]
+        if mask.shape[0] != query.shape[0]:
+            mask = mask.expand(query.shape[0], *mask.shape[1:])
+    elif query.shape[2] > 1:  # no mask with several queries: causal over the rows' own keys
+        Q, L = query.shape[2], key.shape[2]
+        mask = (torch.arange(L, device=query.device)[None, :] <= torch.arange(L - Q, L, device=query.device)[:, None])[None, None]
+        mask = mask.expand(query.shape[0], 1, Q, L)
+    out = split_attention(query, prefix[0], prefix[1], key, value, mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register the attention and its mask function with transformers (idempotent); returns NAME."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME

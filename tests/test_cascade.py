@@ -1,0 +1,73 @@
+"""Shared-prefix attention (keel.cascade): the split computation equals one SDPA call over the
+prefix repeated per row, and a rollout with it samples what a rollout without it samples."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import keel.rollout as engine
+from fakes import EchoEnv, make_tasks
+from keel.cascade import split_attention
+from keel.rollout import SamplingParams, rollout
+
+
+def _reference(query, pk, pv, key, value, mask):
+    B, H = query.shape[:2]
+    rep = H // key.shape[1]
+    k = torch.cat([pk.expand(B, -1, -1, -1), key], dim=2).repeat_interleave(rep, dim=1)
+    v = torch.cat([pv.expand(B, -1, -1, -1), value], dim=2).repeat_interleave(rep, dim=1)
+    full = None
+    if mask is not None:
+        full = torch.cat([torch.ones(*mask.shape[:-1], pk.shape[2], dtype=torch.bool), mask], dim=-1)
+    return F.scaled_dot_product_attention(query.float(), k.float(), v.float(), attn_mask=full)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("heads,kv", [(9, 3), (4, 4)])
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_split_attention_equals_sdpa_over_the_repeated_prefix(dtype, tol, heads, kv, q_len):
+    g = torch.Generator().manual_seed(q_len * 10 + heads)
+    B, P, L, D = 4, 37, 11, 16
+    query = torch.randn(B, heads, q_len, D, generator=g).to(dtype)
+    pk, pv = (torch.randn(1, kv, P, D, generator=g).to(dtype) for _ in range(2))
+    key, value = (torch.randn(B, kv, L, D, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(B, 1, q_len, L, generator=g) > 0.4
+    mask[0, :, 0, :] = False  # a hole: this query sees only the prefix
+    for m in (mask, None):
+        out = split_attention(query, pk, pv, key, value, m, None)
+        assert out.shape == (B, heads, q_len, D) and out.dtype == dtype
+        assert torch.isfinite(out).all()
+        assert (out.float() - _reference(query, pk, pv, key, value, m)).abs().max() < tol
+
+
+def test_rollout_samples_the_same_with_and_without_the_shared_prefix(tiny, monkeypatch):
+    model, tok = tiny
+    tasks = [t for t in make_tasks(2) for _ in range(3)]
+    params = SamplingParams(max_turns=3, max_new_tokens=32)
+
+    call = tok.encode('<tool_call>\n{"name": "lookup", "arguments": {"x": "a"}}\n</tool_call><|im_end|>', add_special_tokens=False)
+
+    def steer(row, turn):  # rows 0, 2, 4 call a tool in their first turns, so tool blocks enter the cache
+        return call if turn < 2 and row % 2 == 0 else None
+
+    def run():
+        gens = [torch.Generator().manual_seed(i) for i in range(len(tasks))]
+        return rollout(model, tok, EchoEnv(), tasks, params, generator=gens, steer=steer)
+
+    calls = []
+    original = engine._cascade_attention
+
+    def spy(m, enabled):
+        calls.append(enabled)
+        return original(m, enabled)
+
+    monkeypatch.setattr(engine, "_cascade_attention", spy)
+    shared = run()
+    assert calls == [True]
+    monkeypatch.setattr(engine, "_cascade_attention", lambda m, enabled: original(m, False))
+    repeated = run()
+    assert model.config._attn_implementation == "sdpa"  # restored after the rollout
+    assert sum(len(t.turn_spans) for t in shared) > len(tasks)  # some rows continued past a tool block
+    for a, b in zip(shared, repeated):
+        assert a.token_ids == b.token_ids and a.sources == b.sources
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
