@@ -137,3 +137,33 @@ def test_per_row_generators_make_a_row_independent_of_its_batch(tiny):
 
     with pytest.raises(ValueError, match="2 generators for 6 rows"):
         rollout(model, tok, env, tasks, params, generator=gens([0, 1]), steer=steer)
+
+
+def test_compact_keeps_rows_and_real_columns_only():
+    """`_compact` drops finished rows and hole columns, keeping each row's real keys in order."""
+    from keel.rollout import _compact, _growing_cache
+
+    B, KV, L, D, P = 3, 2, 6, 4, 2
+    attn = torch.tensor([[1, 1, 1, 0, 1, 1, 0, 1],
+                         [1, 1, 0, 0, 1, 1, 1, 1],
+                         [1, 1, 0, 1, 1, 0, 0, 1]])  # first P columns: the shared prefix
+    keys = torch.arange(B * KV * L * D, dtype=torch.float32).reshape(B, KV, L, D)
+    cache = _growing_cache()
+    for layer in range(2):
+        cache.update(keys + 1000 * layer, -keys, layer)
+    cache, new = _compact(cache, attn, [0, 2], P)
+    # row 0 keeps columns 0, 2, 3, 5 of its own part; row 2 keeps 1, 2, 5 (left-padded by one)
+    assert new.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1]]
+    for layer in range(2):
+        k, v = cache.layers[layer].keys, cache.layers[layer].values
+        assert k.shape == (2, KV, 4, D)
+        assert torch.equal(k[0], keys[0][:, [0, 2, 3, 5]] + 1000 * layer)
+        assert torch.equal(k[1, :, 1:], keys[2][:, [1, 2, 5]] + 1000 * layer)
+        assert torch.equal(v[1, :, 1:], -keys[2][:, [1, 2, 5]])
+        assert torch.isfinite(k).all()
+    # appending after compaction grows the gathered cache in place
+    cache.update(torch.ones(2, KV, 1, D), torch.ones(2, KV, 1, D), 0)
+    assert cache.layers[0].keys.shape == (2, KV, 5, D)
+    # nothing to drop: the same objects back
+    same, mask = _compact(cache, torch.ones(2, 5 + P, dtype=torch.long), [0, 1], P)
+    assert same is cache and mask.shape == (2, 5 + P)
