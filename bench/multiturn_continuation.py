@@ -12,22 +12,26 @@ forward per token), and a fake environment answering each call with a list of 6�
 max_turns, so no response follows it). Generated tokens: 8× as many in the second case.
 Repetitions are interleaved (1, 8, prefill, 1, 8, prefill, ...), medians reported.
 
-Two ratios: per generated token over the whole call (prefill amortised over 8× more tokens in
-the 8-turn case, which flatters it), and after subtracting the prefill (measured by a run
-that samples one token per row and never decodes), which is the honest continuation cost.
+Three ratios: per generated token over the whole call (prefill amortised over 8× more tokens
+in the 8-turn case, which flatters it); after subtracting the prefill (measured by a run that
+samples one token per row and never decodes), the last line; and decoding only, which also
+leaves out the time spent appending the seven tool responses (`append_s` in the trajectories'
+info). Appending is work any engine must do once per response; the responses here (~70 tokens)
+are twice a turn's 34 generated tokens, so at batch 16, where a decode step costs little per
+row, encoding them is a large share of the 8-turn time.
 
-    python bench/multiturn_continuation.py                  # batch 16, 3 reps (~2 min)
+    python bench/multiturn_continuation.py                  # batch 16, also 1 and 4, 3 reps (~6 min)
     python bench/multiturn_continuation.py --batch 32 --turns 8 --reps 5
 Ends with `multiturn_ratio=<ratio>` (prefill excluded, at --batch); `multiturn_ratio_batchN=`
-lines report the other batch sizes (--also).
+and `multiturn_decode_ratio_batchN=` lines report the other batch sizes (--also).
 
 What bounds the ratio: a decode step reads every weight once (540 MB fp32) and every row's
 cached keys and values (30 layers × 3 KV heads × 64 × 2 × 4 B = 46 KB per token of history, per
-row). History grows from ~150 tokens (1 turn) to ~900 (8 turns, tool responses included), so at
-batch 16 the cache read per step grows from ~110 MB to ~660 MB: on a memory-bound CPU a later
-step costs (540 + 660) / (540 + 110) ≈ 1.8× an early one however the cache is kept, and the
-tool responses themselves are encoded (7 blocks) on top. At batch 1 the cache is small next to
-the weights and the ratio measures the engine's own overhead.
+row). The prompts' shared prefix is read once per step (keel/cascade.py) and hole columns are
+dropped after each tool block (`keel.rollout._compact`), but each row's own history grows from
+tens of tokens (1 turn) to ~900 (8 turns, tool responses included), so at batch 16 its cache read
+per step grows to ~660 MB, more than the weights. At batch 1 the cache is small next to the
+weights and the ratio measures the engine's own overhead.
 """
 
 from __future__ import annotations
@@ -81,8 +85,8 @@ class RaggedEnv:
         return RaggedEpisode(int(task.id))
 
 
-def run(model, tok, batch: int, turns: int, steer_ids: list[int] | None, seed: int) -> tuple[float, int]:
-    """(seconds, generated tokens) of one batched rollout."""
+def run(model, tok, batch: int, turns: int, steer_ids: list[int] | None, seed: int) -> tuple[float, int, float]:
+    """(seconds, generated tokens, seconds spent appending tool responses) of one batched rollout."""
     tasks = [Task(id=str(i), question=f"Which films did the director of film {i} make?", answers=["x"]) for i in range(batch)]
     if steer_ids is None:  # prefill only: one sampled token per row, then the turn is cut
         params = SamplingParams(max_turns=1, max_new_tokens=1)
@@ -95,25 +99,28 @@ def run(model, tok, batch: int, turns: int, steer_ids: list[int] | None, seed: i
     elapsed = time.perf_counter() - t0
     if steer_ids is not None:
         assert all(len(t.turn_spans) == turns for t in trajs), [len(t.turn_spans) for t in trajs]
-    return elapsed, sum(t.num_policy_tokens for t in trajs)
+    return elapsed, sum(t.num_policy_tokens for t in trajs), trajs[0].info["append_s"]
 
 
-def measure(model, tok, call: list[int], batch: int, turns: int, reps: int) -> tuple[float, float]:
-    """(ratio with prefill, ratio without prefill) at one batch size."""
-    res: dict[str, list[tuple[float, int]]] = {"1": [], "many": [], "prefill": []}
+def measure(model, tok, call: list[int], batch: int, turns: int, reps: int) -> tuple[float, float, float]:
+    """(ratio with prefill, ratio without prefill, decode-only ratio) at one batch size."""
+    res: dict[str, list[tuple[float, int, float]]] = {"1": [], "many": [], "prefill": []}
     for rep in range(reps):
         res["1"].append(run(model, tok, batch, 1, call, rep))
         res["many"].append(run(model, tok, batch, turns, call, rep))
         res["prefill"].append(run(model, tok, batch, 1, None, rep))
         print(f"  batch {batch} rep {rep}: 1 turn {res['1'][-1][0]:.2f} s, {turns} turns {res['many'][-1][0]:.2f} s, "
               f"prefill {res['prefill'][-1][0]:.2f} s", flush=True)
-    prefill = statistics.median(t for t, _ in res["prefill"])
-    one_t, one_n = statistics.median(t for t, _ in res["1"]), res["1"][0][1]
-    many_t, many_n = statistics.median(t for t, _ in res["many"]), res["many"][0][1]
+    prefill = statistics.median(t for t, _, _ in res["prefill"])
+    one_t, one_n = statistics.median(t for t, _, _ in res["1"]), res["1"][0][1]
+    many_t, many_n = statistics.median(t for t, _, _ in res["many"]), res["many"][0][1]
+    append = statistics.median(a for _, _, a in res["many"])
     print(f"batch {batch}: prefill only {prefill:.2f} s; 1 turn {one_t:.2f} s for {one_n} tokens "
           f"({1000 * (one_t - prefill) / one_n:.1f} ms/token without prefill); {turns} turns {many_t:.2f} s for {many_n} tokens "
-          f"({1000 * (many_t - prefill) / many_n:.1f} ms/token without prefill)", flush=True)
-    return (many_t / many_n) / (one_t / one_n), ((many_t - prefill) / many_n) / ((one_t - prefill) / one_n)
+          f"({1000 * (many_t - prefill) / many_n:.1f} ms/token without prefill), of which {append:.2f} s appending "
+          f"{turns - 1} tool responses ({1000 * (many_t - prefill - append) / many_n:.1f} ms/token decoding only)", flush=True)
+    return ((many_t / many_n) / (one_t / one_n), ((many_t - prefill) / many_n) / ((one_t - prefill) / one_n),
+            ((many_t - prefill - append) / many_n) / ((one_t - prefill) / one_n))
 
 
 def main() -> None:
@@ -133,10 +140,12 @@ def main() -> None:
     print(f"{len(call)} tokens per turn, {args.dtype}, threads {torch.get_num_threads()}, reps {args.reps}")
     others = [int(b) for b in args.also.split(",") if b.strip()]
     for b in others:
-        _, without = measure(model, tok, call, b, args.turns, args.reps)
+        _, without, decode = measure(model, tok, call, b, args.turns, args.reps)
+        print(f"multiturn_decode_ratio_batch{b}={decode:.2f}")
         print(f"multiturn_ratio_batch{b}={without:.2f}")
-    with_prefill, without = measure(model, tok, call, args.batch, args.turns, args.reps)
+    with_prefill, without, decode = measure(model, tok, call, args.batch, args.turns, args.reps)
     print(f"multiturn_ratio_with_prefill={with_prefill:.2f}")
+    print(f"multiturn_decode_ratio={decode:.2f}")
     print(f"multiturn_ratio={without:.2f}")
 
 

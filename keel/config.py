@@ -38,7 +38,7 @@ class ModelConfig:
     device: str = doc("cpu", "cpu | cuda | auto")
     lora_rank: int = doc(0, "0: train every weight; > 0: train LoRA adapters of this rank (peft, the `lora` extra) on the attention and MLP projections; the KL reference is the base model with adapters off, no copy")
     lora_alpha: float = doc(32.0, "LoRA scaling numerator (scale = lora_alpha / lora_rank)")
-    max_tokens_per_micro_batch: int = doc(4096, "cap on the token positions one training forward encodes (SFT, GRPO update, supervision losses): micro-batches are cut so that shared prefix + rows × longest remainder stays under it, bounding activation memory (~1.2 MB per position for SmolLM2 under autocast) whatever the sampled lengths; 0: rows only (grpo.micro_batch_size). Scale it down for larger models")
+    max_tokens_per_micro_batch: int = doc(2048, "cap on the token positions one training forward encodes (SFT, GRPO update, supervision losses): micro-batches are cut so that shared prefix + rows × longest remainder stays under it, bounding activation memory (~1.2 MB per position for SmolLM2 under autocast) whatever the sampled lengths; 0: rows only (grpo.micro_batch_size). Scale it down for larger models")
     gradient_checkpointing: bool = doc(False, "recompute decoder-layer activations in backward: training memory no longer grows with layers × tokens, at ~1/3 more compute")
     autocast: bool = doc(False, "run training forward/backward under bf16 autocast (fp32 master weights): ~2× faster on AMX CPUs and GPUs (MEASURED.md: 13.5 vs 27 s per 8×512-token step)")
 

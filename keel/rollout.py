@@ -347,10 +347,12 @@ def rollout(
         traj = Trajectory(task_id=task.id, token_ids=[], sources=[], logprobs=[], group=groups[i] if groups else -1)
         rows.append(_Row(task=task, episode=env.start(task), ids=ids, sources=sources, logprobs=[0.0] * len(ids), traj=traj))
     t0 = time.perf_counter()
+    prefill_s = append_s = 0.0
     attention = contextlib.ExitStack()
     try:
         shared = attention.enter_context(_cascade_attention(model, device.type == "cpu"))
         logits, cache, attn = _prefill(model, [r.ids for r in rows], device, shared)
+        prefill_s, append_s = time.perf_counter() - t0, 0.0
         prefix = getattr(cache.layers[0], "prefix", None)
         prefix_cols = prefix[0].shape[-2] if prefix is not None else 0  # attn columns not in the rows' cache
         for r in rows:
@@ -436,6 +438,7 @@ def rollout(
             if not blocks:
                 break
             # rows that ended leave the batch, and the cache drops its hole columns
+            t_append = time.perf_counter()
             keep = sorted(blocks)
             cache, attn = _compact(cache, attn, keep, prefix_cols)
             live = [live[b] for b in keep]
@@ -454,6 +457,7 @@ def rollout(
                 r.pending = []
             attn = torch.cat([attn, block_mask], dim=1)
             logits, cache = _forward(model, feed, attn, positions, cache)
+            append_s += time.perf_counter() - t_append
     finally:
         attention.close()
         for r in rows:
@@ -469,6 +473,7 @@ def rollout(
     for r in rows:
         tr = r.traj
         tr.token_ids, tr.sources, tr.logprobs = r.ids, [int(s) for s in r.sources], r.logprobs
-        tr.info["rollout_s"] = elapsed
+        # the batch's seconds: all, encoding the prompts, appending tool responses (the rest is decoding)
+        tr.info.update(rollout_s=elapsed, prefill_s=prefill_s, append_s=append_s)
         out.append(tr)
     return out
