@@ -79,6 +79,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     P = prefix[0].shape[-2]
     mask = attention_mask
     if mask is not None:
+        if mask.shape[-1] != P + key.shape[2]:
+            raise RuntimeError(f"keel.cascade: mask covers {mask.shape[-1]} keys, the layer has {P} shared + {key.shape[2]} own")
         if mask.dtype != torch.bool:  # an additive mask: 0 where visible
             mask = mask == 0
         mask = mask[..., P:]
