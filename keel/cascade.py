@@ -94,6 +94,11 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
+def available() -> bool:
+    """Whether this torch has the CPU flash-attention op that returns the log-sum-exp."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
 def register() -> str:
     """Register the attention and its mask function with transformers (idempotent); returns NAME."""
     from transformers import AttentionInterface

@@ -123,24 +123,93 @@ def micro_batches(sequences: list[list[int]], max_rows: int, max_tokens: int = 0
     return groups
 
 
-def _hidden_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def common_prefix_len(sequences: list[list[int]]) -> int:
+    """Tokens every sequence starts with, at most the shortest length − 1 (0 for < 2 sequences)."""
+    if len(sequences) < 2:
+        return 0
+    first = sequences[0]
+    n = min(len(q) for q in sequences) - 1
+    for q in sequences[1:]:
+        k = 0
+        while k < n and q[k] == first[k]:
+            k += 1
+        n = k
+    return max(n, 0)
+
+
+class SharedPrefix:
+    """The shared prefix of a whole update (every micro-batch's rows start with it), encoded once.
+
+    Within one micro-batch `_hidden_states` already encodes the rows' common prefix once; when
+    the token cap splits an update into several micro-batches, each would encode it again (the
+    560-token system block of the KG task is ~25% of a 2,048-position micro-batch). Here the
+    prefix is run once with gradients; micro-batches attend to detached leaf copies of its keys,
+    values and hidden states, whose gradients accumulate over the micro-batches, and
+    `backward()` then sends them through the prefix graph once. The weight gradients are the
+    sum of what each micro-batch's own prefix would have given (tests/test_logprobs.py).
+    Not used with gradient checkpointing (HF drops the cache inside checkpointed layers).
+    """
+
+    def __init__(self, model, ids: list[int]):
+        body = getattr(model, model.base_model_prefix)
+        device = next(model.parameters()).device
+        self.ids = torch.tensor(ids, device=device)
+        out = body(input_ids=self.ids[None], use_cache=True)
+        self._sources = [out.last_hidden_state] + [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        self._leaves = [t.detach().requires_grad_(t.requires_grad) for t in self._sources]
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+    def matches(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
+        L = len(self)
+        return (input_ids.shape[1] > L and bool((attention_mask.sum(-1) > L).all())
+                and bool((input_ids[:, :L] == self.ids[None]).all()))
+
+    def states(self, batch: int):
+        """(hidden [B, L, H], a DynamicCache holding the prefix for `batch` rows)."""
+        from transformers import DynamicCache
+
+        hidden, kv = self._leaves[0], self._leaves[1:]
+        cache = DynamicCache()
+        for layer in range(len(kv) // 2):
+            k, v = kv[2 * layer], kv[2 * layer + 1]
+            cache.update(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1), layer)
+        return hidden.expand(batch, -1, -1), cache
+
+    def backward(self) -> None:
+        """Back-propagate the gradients the micro-batches left on the leaves through the prefix."""
+        pairs = [(src, leaf.grad) for src, leaf in zip(self._sources, self._leaves) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        self._sources, self._leaves = [], []
+
+
+def _hidden_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: SharedPrefix | None = None) -> torch.Tensor:
     """Last hidden states [B, T, H]. Rows of a batch usually share their prompt's system block
     (~600 of ~900 tokens on the KG task): it is encoded once and its KV cache repeated over the
-    batch, gradients flowing through it, which cuts a training step's tokens about 2×. Equal to
-    one plain forward (tests/test_logprobs.py checks values and gradients)."""
+    batch, gradients flowing through it, which cuts a training step's tokens about 2×. With a
+    `prefix` encoded for the whole update (SharedPrefix) that the rows start with, it is reused
+    instead. Equal to one plain forward (tests/test_logprobs.py checks values and gradients)."""
     B, T = input_ids.shape
-    L = shared_prefix_len(input_ids, attention_mask)
     # HF drops the cache inside checkpointed layers while training, so with gradient
     # checkpointing on, the prefix cannot be shared: one plain forward instead
-    if L < MIN_SHARED_PREFIX or (body.training and getattr(body, "gradient_checkpointing", False)):
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
-    pre = body(input_ids=input_ids[:1, :L], use_cache=True)
-    cache = pre.past_key_values
-    cache.batch_repeat_interleave(B)
+    checkpointing = body.training and getattr(body, "gradient_checkpointing", False)
+    if prefix is not None and not checkpointing and prefix.matches(input_ids, attention_mask):
+        L = len(prefix)
+        pre_hidden, cache = prefix.states(B)
+    else:
+        L = shared_prefix_len(input_ids, attention_mask)
+        if L < MIN_SHARED_PREFIX or checkpointing:
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
+        pre = body(input_ids=input_ids[:1, :L], use_cache=True)
+        cache = pre.past_key_values
+        cache.batch_repeat_interleave(B)
+        pre_hidden = pre.last_hidden_state.expand(B, L, -1)
     positions = torch.arange(L, T, device=input_ids.device).expand(B, T - L)  # right padding: index = position
     rest = body(input_ids=input_ids[:, L:], attention_mask=attention_mask, position_ids=positions, past_key_values=cache, use_cache=True)
-    return torch.cat([pre.last_hidden_state.expand(B, L, -1), rest.last_hidden_state], dim=1)
+    return torch.cat([pre_hidden, rest.last_hidden_state], dim=1)
 
 
 def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,15 +229,18 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk: int = 256,
     with_entropy: bool = False,
+    prefix: SharedPrefix | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the target tokens, in row-major order of `target_mask`.
 
     input_ids, attention_mask, target_mask: [B, T] → logp [N] (N = target_mask.sum()), and
     entropy [N] of the full next-token distribution (no grad) when `with_entropy`.
-    Logits are divided by `temperature`, matching how the rollout sampled.
+    Logits are divided by `temperature`, matching how the rollout sampled. `prefix`: a
+    SharedPrefix of the whole update, used when the rows start with it (call its backward()
+    after the last micro-batch's).
     """
     body = getattr(model, model.base_model_prefix)
-    hidden = _hidden_states(body, input_ids, attention_mask)
+    hidden = _hidden_states(body, input_ids, attention_mask, prefix)
     prev = torch.zeros_like(target_mask)
     prev[:, :-1] = target_mask[:, 1:]  # hidden state at t-1 predicts token t
     h = hidden[prev]  # [N, H]

@@ -164,7 +164,7 @@ def _cascade_attention(model, enabled: bool):
     """Run the model with keel.cascade's attention (shared prefix stored and read once) inside."""
     config = model.config
     before = config._attn_implementation
-    if not enabled or before != "sdpa":  # eager/flash implementations are left as they are
+    if not enabled or before != "sdpa" or not cascade.available():  # eager/flash implementations are left as they are
         yield False
         return
     config._attn_implementation = cascade.register()

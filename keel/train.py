@@ -34,7 +34,7 @@ from keel.config import Config, dump_yaml
 from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
                               local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
 from keel.evaluate import evaluate_model
-from keel.logprobs import collate, micro_batches, token_logprobs
+from keel.logprobs import MIN_SHARED_PREFIX, SharedPrefix, collate, common_prefix_len, micro_batches, token_logprobs
 from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate, sft_loss
 from keel.models import DTYPES, LoRA, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
@@ -83,6 +83,19 @@ def _autocast(enabled: bool, model):
     return torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
 
 
+def _update_prefix(model, sequences: list[list[int]], parts: list[list[int]], autocast: bool) -> SharedPrefix | None:
+    """The prefix all of an update's sequences share, encoded once for all its micro-batches
+    (keel.logprobs.SharedPrefix), when there are several and it is long enough to matter."""
+    body = getattr(model, model.base_model_prefix)
+    if len(parts) < 2 or getattr(body, "gradient_checkpointing", False):
+        return None
+    L = common_prefix_len(sequences)
+    if L < MIN_SHARED_PREFIX:
+        return None
+    with _autocast(autocast, model):
+        return SharedPrefix(model, sequences[0][:L])
+
+
 def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad_norm: float, micro: int = 8, autocast: bool = False,
              max_tokens: int = 0) -> dict[str, float]:
     """One optimizer step of NLL on the examples' target tokens (token-mean over the batch).
@@ -91,13 +104,18 @@ def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad
     optimizer.zero_grad(set_to_none=True)
     n_targets = sum(sum(e.targets[1:]) for e in examples)
     total = 0.0
-    for idx in micro_batches([e.token_ids for e in examples], micro, max_tokens):
+    sequences = [e.token_ids for e in examples]
+    parts = micro_batches(sequences, micro, max_tokens)
+    prefix = _update_prefix(model, sequences, parts, autocast)
+    for idx in parts:
         ids, attn, tmask = collate_sft([examples[i] for i in idx], pad_id)
         with _autocast(autocast, model):
-            logp, _ = token_logprobs(model, ids, attn, tmask)
+            logp, _ = token_logprobs(model, ids, attn, tmask, prefix=prefix)
         loss = sft_loss(logp, n_targets)
         loss.backward()
         total += float(loss.detach())
+    if prefix is not None:
+        prefix.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     skipped = not math.isfinite(total) or not torch.isfinite(norm)
     if skipped:
@@ -148,11 +166,14 @@ def grpo_update(
     num_seqs = max(len(members), 1)
     sums = {"pg": 0.0, "kl": 0.0, "k1": 0.0, "k3": 0.0, "low": 0.0, "high": 0.0, "ratio": 0.0, "ent": 0.0}
     kept = [[t for t, src in zip(trajectories[i].token_ids, trajectories[i].sources) if src != Source.HINT] for i in members]
-    for part in micro_batches(kept, g.micro_batch_size, cfg.model.max_tokens_per_micro_batch):
+    parts = micro_batches(kept, g.micro_batch_size, cfg.model.max_tokens_per_micro_batch)
+    prefix = _update_prefix(model, kept, parts, cfg.model.autocast)
+    for part in parts:
         idx = [members[j] for j in part]
         batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
         with _autocast(cfg.model.autocast, model):
-            logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True)
+            logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True,
+                                       prefix=prefix)
         with torch.no_grad():
             if isinstance(ref_model, LoRA):  # the base model: the policy with its adapters off
                 with ref_model.reference(), _autocast(cfg.model.autocast, model):
@@ -198,6 +219,8 @@ def grpo_update(
                     n = int(batch.target_mask[b].sum())
                     telemetry_sink.append((i, batch.input_ids[b][batch.target_mask[b]].tolist(), logp[off : off + n].detach(), ref_logp[off : off + n].detach(), ent[off : off + n]))
                     off += n
+    if prefix is not None:
+        prefix.backward()
     extra_total = 0.0
     if extra_losses:
         from keel.signals.schedule import supervision_backward

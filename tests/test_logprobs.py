@@ -158,3 +158,43 @@ def test_micro_batch_cost_is_what_the_forward_encodes():
         cost = shared + n * (max(map(len, seqs)) - shared)
         assert micro_batches(seqs, max_rows=n, max_tokens=cost) == [list(range(n))]
         assert len(micro_batches(seqs, max_rows=n, max_tokens=cost - 1)) > 1
+
+
+def test_update_wide_prefix_gives_the_per_micro_batch_gradients(tiny):
+    """SharedPrefix: the prefix encoded once for two micro-batches gives the values and weight
+    gradients of each micro-batch encoding it itself."""
+    from keel.logprobs import SharedPrefix, common_prefix_len
+
+    model, _ = tiny
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(5, 200, (40,), generator=g).tolist()
+    seqs = [prefix + torch.randint(5, 200, (n,), generator=g).tolist() for n in (7, 12, 3, 9)]
+    assert common_prefix_len(seqs) == 40 and common_prefix_len(seqs[:1]) == 0
+    parts = [[0, 1], [2, 3]]
+
+    def run(shared: bool):
+        m = copy.deepcopy(model).train()
+        pre = SharedPrefix(m, prefix) if shared else None
+        values = []
+        for part in parts:
+            T = max(len(seqs[i]) for i in part)
+            ids = torch.zeros(len(part), T, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for b, i in enumerate(part):
+                ids[b, : len(seqs[i])] = torch.tensor(seqs[i])
+                attn[b, : len(seqs[i])] = 1
+            tmask = attn.bool().clone()
+            tmask[:, :41] = False
+            tmask[:, 30] = True  # a target inside the prefix too: the prefix's hidden states get gradients
+            lp, _ = token_logprobs(m, ids, attn, tmask, prefix=pre)
+            (lp * torch.linspace(-1, 2, lp.numel())).sum().backward()
+            values.append(lp.detach())
+        if pre is not None:
+            pre.backward()
+        return torch.cat(values), {n: p.grad for n, p in m.named_parameters()}
+
+    v0, g0 = run(False)
+    v1, g1 = run(True)
+    assert torch.allclose(v0, v1, atol=1e-5)
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-5, rtol=1e-4), n
