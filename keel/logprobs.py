@@ -96,7 +96,9 @@ def micro_batches(sequences: list[list[int]], max_rows: int, max_tokens: int = 0
     every row right-padded to the longest remainder: lcp + rows × (longest − lcp) (lcp counted
     only when it reaches MIN_SHARED_PREFIX). Training activations grow with that count
     (~1.2 MB per position for SmolLM2 under bf16 autocast), so the cap bounds a step's memory
-    whatever the sampled lengths. A single row over the cap forms its own micro-batch.
+    whatever the sampled lengths (with an update-wide SharedPrefix the prefix is held once for
+    the update instead, so the count is an upper bound). A single row over the cap forms its
+    own micro-batch.
     Worked example: lengths 100, 100, 300 with no shared prefix, max_tokens 300 → [[0, 1], [2]].
     """
     groups: list[list[int]] = []
