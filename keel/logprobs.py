@@ -29,6 +29,11 @@ class Batch:
     sources: torch.Tensor  # [B, T] keel.types.Source of each kept token (-1 on padding)
 
 
+def kept_positions(sources: list[int], drop_sources: tuple[int, ...] = (Source.HINT,)) -> list[int]:
+    """Positions of the tokens a trained sequence keeps (hints are dropped, see `collate`)."""
+    return [i for i, s in enumerate(sources) if s not in drop_sources]
+
+
 def collate(
     trajectories: list[Trajectory],
     sources: tuple[int, ...] = (Source.POLICY,),
@@ -45,7 +50,7 @@ def collate(
     """
     seqs = []
     for tr in trajectories:
-        keep = [i for i, s in enumerate(tr.sources) if s not in drop_sources]
+        keep = kept_positions(tr.sources, drop_sources)
         seqs.append(
             (
                 [tr.token_ids[i] for i in keep],
@@ -185,6 +190,18 @@ class SharedPrefix:
         if pairs:
             torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
         self._sources, self._leaves = [], []
+
+
+def update_prefix(model, sequences: list[list[int]], parts: list[list[int]]) -> SharedPrefix | None:
+    """The prefix all of an update's sequences share, encoded once for all its micro-batches
+    `parts`, when there are several and it is long enough to matter (None otherwise, and with
+    gradient checkpointing, where `_hidden_states` could not use it). Call under the update's
+    autocast."""
+    body = getattr(model, model.base_model_prefix)
+    if len(parts) < 2 or getattr(body, "gradient_checkpointing", False):
+        return None
+    L = common_prefix_len(sequences)
+    return SharedPrefix(model, sequences[0][:L]) if L >= MIN_SHARED_PREFIX else None
 
 
 def _hidden_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: SharedPrefix | None = None) -> torch.Tensor:

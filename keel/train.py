@@ -34,12 +34,13 @@ from keel.config import Config, dump_yaml
 from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
                               local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
 from keel.evaluate import evaluate_model
-from keel.logprobs import MIN_SHARED_PREFIX, SharedPrefix, collate, common_prefix_len, micro_batches, token_logprobs
-from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate, sft_loss
+from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
+from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate
 from keel.models import DTYPES, LoRA, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
 from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, create_run_dir, swap_dir, truncate_jsonl_lines, write_jsonl
-from keel.sft import SFTExample, collate_sft, decompose, gold_trajectory
+from keel.sft import SFTExample, decompose, gold_trajectory
+from keel.signals.schedule import supervision_backward
 from keel.types import Source, Trajectory
 
 
@@ -83,39 +84,13 @@ def _autocast(enabled: bool, model):
     return torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
 
 
-def _update_prefix(model, sequences: list[list[int]], parts: list[list[int]], autocast: bool) -> SharedPrefix | None:
-    """The prefix all of an update's sequences share, encoded once for all its micro-batches
-    (keel.logprobs.SharedPrefix), when there are several and it is long enough to matter."""
-    body = getattr(model, model.base_model_prefix)
-    if len(parts) < 2 or getattr(body, "gradient_checkpointing", False):
-        return None
-    L = common_prefix_len(sequences)
-    if L < MIN_SHARED_PREFIX:
-        return None
-    with _autocast(autocast, model):
-        return SharedPrefix(model, sequences[0][:L])
-
-
 def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad_norm: float, micro: int = 8, autocast: bool = False,
              max_tokens: int = 0) -> dict[str, float]:
     """One optimizer step of NLL on the examples' target tokens (token-mean over the batch).
     Micro-batches: at most `micro` examples and `max_tokens` encoded positions (`micro_batches`)."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    n_targets = sum(sum(e.targets[1:]) for e in examples)
-    total = 0.0
-    sequences = [e.token_ids for e in examples]
-    parts = micro_batches(sequences, micro, max_tokens)
-    prefix = _update_prefix(model, sequences, parts, autocast)
-    for idx in parts:
-        ids, attn, tmask = collate_sft([examples[i] for i in idx], pad_id)
-        with _autocast(autocast, model):
-            logp, _ = token_logprobs(model, ids, attn, tmask, prefix=prefix)
-        loss = sft_loss(logp, n_targets)
-        loss.backward()
-        total += float(loss.detach())
-    if prefix is not None:
-        prefix.backward()
+    total = supervision_backward(model, examples, pad_id, 1.0, micro, autocast, max_tokens)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     skipped = not math.isfinite(total) or not torch.isfinite(norm)
     if skipped:
@@ -165,9 +140,10 @@ def grpo_update(
     num_tokens = sum(counts)
     num_seqs = max(len(members), 1)
     sums = {"pg": 0.0, "kl": 0.0, "k1": 0.0, "k3": 0.0, "low": 0.0, "high": 0.0, "ratio": 0.0, "ent": 0.0}
-    kept = [[t for t, src in zip(trajectories[i].token_ids, trajectories[i].sources) if src != Source.HINT] for i in members]
+    kept = [[trajectories[i].token_ids[k] for k in kept_positions(trajectories[i].sources)] for i in members]
     parts = micro_batches(kept, g.micro_batch_size, cfg.model.max_tokens_per_micro_batch)
-    prefix = _update_prefix(model, kept, parts, cfg.model.autocast)
+    with _autocast(cfg.model.autocast, model):
+        prefix = update_prefix(model, kept, parts)
     for part in parts:
         idx = [members[j] for j in part]
         batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
@@ -223,8 +199,6 @@ def grpo_update(
         prefix.backward()
     extra_total = 0.0
     if extra_losses:
-        from keel.signals.schedule import supervision_backward
-
         for kind, weight, examples in extra_losses:
             if not examples:
                 continue

@@ -218,11 +218,13 @@ def supervision_backward(model, examples: Sequence, pad_id: int, weight: float =
     Synchronous paradigm: call it inside the RL update, after the GRPO micro-batches' backward
     and before gradient clipping, once per kind with `Schedule.sync_weight(kind)`.
     `autocast`: bf16 autocast of the forward, as train.py's `model.autocast`; micro-batches hold at
-    most `micro` examples and `max_tokens` encoded positions (`keel.logprobs.micro_batches`).
+    most `micro` examples and `max_tokens` encoded positions (`keel.logprobs.micro_batches`), and
+    the examples' common prefix is encoded once for all of them (`keel.logprobs.SharedPrefix`).
+    train.py's `sft_step` is this plus the optimizer step.
     """
     import torch
 
-    from keel.logprobs import micro_batches, token_logprobs
+    from keel.logprobs import micro_batches, token_logprobs, update_prefix
     from keel.losses import sft_loss
     from keel.sft import collate_sft
 
@@ -230,14 +232,20 @@ def supervision_backward(model, examples: Sequence, pad_id: int, weight: float =
         return 0.0
     n_targets = sum(sum(e.targets[1:]) for e in examples)
     total = 0.0
-    for idx in micro_batches([e.token_ids for e in examples], micro, max_tokens):
+    device = next(model.parameters()).device
+    sequences = [e.token_ids for e in examples]
+    parts = micro_batches(sequences, micro, max_tokens)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        prefix = update_prefix(model, sequences, parts)
+    for idx in parts:
         ids, attn, tmask = collate_sft([examples[i] for i in idx], pad_id)
-        device = next(model.parameters()).device
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logp, _ = token_logprobs(model, ids.to(device), attn.to(device), tmask.to(device))
+            logp, _ = token_logprobs(model, ids.to(device), attn.to(device), tmask.to(device), prefix=prefix)
         loss = sft_loss(logp, n_targets)
         (loss * weight).backward()
         total += float(loss.detach())
+    if prefix is not None:
+        prefix.backward()
     return total
 
 
