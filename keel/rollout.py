@@ -35,6 +35,7 @@ import torch
 from keel import cascade
 from keel.chat import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE, render_tool_responses, render_user_turn
 from keel.episode import process_turn
+from keel.logprobs import common_prefix_len
 from keel.types import Env, Source, Task, Trajectory
 
 import json
@@ -151,11 +152,17 @@ def _growing_layer_class():
     return _GrowingLayer
 
 
+def _cascading(model) -> bool:
+    """Whether the model runs keel.cascade's attention now (inside `_cascade_attention`)."""
+    return model.config._attn_implementation == cascade.NAME
+
+
 def _forward(model, input_ids, attn, positions, cache):
     # logits_to_keep=1: only the last column's logits are used; a 60-token tool block at batch 16
     # would otherwise materialise 16×60×49k logits. keel_cache: read by keel.cascade's attention.
+    extra = {"keel_cache": cache} if _cascading(model) else {}
     out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True,
-                logits_to_keep=1, keel_cache=cache)
+                logits_to_keep=1, **extra)
     return out.logits[:, -1, :].float(), out.past_key_values
 
 
@@ -165,35 +172,32 @@ def _cascade_attention(model, enabled: bool):
     config = model.config
     before = config._attn_implementation
     if not enabled or before != "sdpa" or not cascade.available():  # eager/flash implementations are left as they are
-        yield False
+        yield
         return
     config._attn_implementation = cascade.register()
     try:
-        yield True
+        yield
     finally:
         config._attn_implementation = before
 
 
-def _prefill(model, prompts: list[list[int]], device, shared: bool = False) -> tuple[torch.Tensor, object, torch.Tensor]:
+def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, object, torch.Tensor]:
     """Encode the prompts into one batched KV cache.
 
     Returns (last logits [B, V], cache, attention mask [B, L]). Prompts of one run share a long
     prefix (system block with the tool schemas, ~600 tokens for the KG env): it is encoded once
-    and, with `shared` (keel.cascade's attention active), kept once in every layer; otherwise
+    and, when keel.cascade's attention is active, kept once in every layer; otherwise
     the cache is repeated over the batch. The ragged remainders (the questions) then go in as
     one right-aligned block. Without a shared prefix, each distinct prompt is encoded alone.
     """
     B = len(prompts)
-    min_len = min(len(p) for p in prompts)
-    lcp = 0
     first = prompts[0]
-    while lcp < min_len - 1 and all(p[lcp] == first[lcp] for p in prompts):
-        lcp += 1
+    lcp = common_prefix_len(prompts)
     if lcp == 0:
         return _prefill_each(model, prompts, device)
     out = model(input_ids=torch.tensor([first[:lcp]], device=device), past_key_values=_growing_cache(), use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
-    if shared:
+    if _cascading(model):
         prefix, cache = cache, _growing_cache()
         for layer in prefix.layers:
             cache.layers.append(_growing_layer_class()())
@@ -350,8 +354,8 @@ def rollout(
     prefill_s = append_s = 0.0
     attention = contextlib.ExitStack()
     try:
-        shared = attention.enter_context(_cascade_attention(model, device.type == "cpu"))
-        logits, cache, attn = _prefill(model, [r.ids for r in rows], device, shared)
+        attention.enter_context(_cascade_attention(model, device.type == "cpu"))
+        logits, cache, attn = _prefill(model, [r.ids for r in rows], device)
         prefill_s, append_s = time.perf_counter() - t0, 0.0
         prefix = getattr(cache.layers[0], "prefix", None)
         prefix_cols = prefix[0].shape[-2] if prefix is not None else 0  # attn columns not in the rows' cache
