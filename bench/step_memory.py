@@ -16,11 +16,11 @@ number of micro-batches, so the default config's 8 × 4 = 32 episodes peak at th
   (`model.gradient_checkpointing: true`) and micro-batch 2 (`--ckpt-micro`).
 The LM head's logits are recomputed per 256-token chunk in backward in every variant
 (`keel.logprobs.token_logprobs`).
-- lora: peft LoRA r=16 on the attention and MLP projections (`pip install peft==0.21.2`, an
-  optional dependency); rollout and update get `peft_model.get_base_model()`, the causal LM with
-  the adapters injected (Keel's `token_logprobs` cannot take the PeftModel wrapper itself). The reference is passed as None (KL term 0): with LoRA the reference
-  is the base model with the adapter switched off, which needs no second copy (`keel.models.LoRA`
-  in training); its no-grad forward is left out here.
+- lora: the trainer's LoRA (`keel.models.LoRA`, peft r=16 on the attention and MLP projections;
+  `pip install peft==0.21.2`, an optional dependency); rollout and update run its causal LM with
+  the adapters injected. The reference is passed as None (KL term 0): with LoRA the reference
+  is the base model with the adapter switched off, which needs no second copy; its no-grad
+  forward is left out here.
 
     python bench/step_memory.py                      # full, full-ckpt, lora, lora-ckpt (~5 min)
     python bench/step_memory.py --variants full --prompts 8
@@ -69,13 +69,9 @@ def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int 
         for p in ref.parameters():
             p.requires_grad_(False)
     else:
-        from peft import LoraConfig, get_peft_model
+        from keel.models import LoRA
 
-        peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-        # peft injects the adapters into the wrapped LlamaForCausalLM in place; Keel's
-        # token_logprobs needs that model (a PeftModel's `base_model_prefix` attribute is the
-        # whole causal LM, whose output has no last_hidden_state)
-        model = peft_model.get_base_model()
+        model = LoRA(model, rank=16, alpha=32.0).model  # the trainer's LoRA (model.lora_rank: 16)
     out["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     out["rss_after_load_gb"] = _rss_gb()
     kg, splits = generate_splits(seed=0, train=max(prompts, 8), dev=1, test=1)
@@ -133,7 +129,7 @@ def main() -> None:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["(no output)"]
-            if variant.startswith("lora") and "No module named 'peft'" in proc.stderr:
+            if variant.startswith("lora") and "needs peft" in proc.stderr:
                 print("lora: skipped, peft is not installed (pip install torch==2.13.0 peft==0.21.2)")
                 continue
             sys.exit(f"step_memory: the {variant} subprocess failed: {tail[0]}")
