@@ -26,21 +26,32 @@ import torch
 NAME = "keel_cascade"
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, H, Q, D], lse [B, H, Q] fp32); `mask` is boolean (True = attend) or None."""
-    add = None
-    if mask is not None:
-        add = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=add, scale=scale)
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive: torch.Tensor | None, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, H, Q, D], lse [B, H, Q] fp32); `additive`: 0 where visible, −inf elsewhere, or None."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=additive, scale=scale)
+
+
+def _rows_mask(mask: torch.Tensor | None, rep: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The rows' own-key mask as the kernel takes it, for grouped query heads: (additive mask
+    [B, 1, rep·Q, L] in `dtype`, bool [B, 1, rep·Q] "sees at least one own key"), or (None, None).
+    The same for every layer of a forward, so `attention` computes it once per forward."""
+    if mask is None:
+        return None, None
+    B, _, Q, L = mask.shape
+    grouped = mask[:, :, None].expand(B, 1, rep, Q, L).reshape(B, 1, rep * Q, L)
+    additive = torch.zeros(grouped.shape, dtype=dtype, device=mask.device).masked_fill_(~grouped, float("-inf"))
+    return additive, grouped.any(-1)
 
 
 def split_attention(query: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+                    mask: torch.Tensor | None, scale: float | None,
+                    prepared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Attention of `query` over [prefix ‖ own keys], the prefix shared by the whole batch.
 
     query [B, H, Q, D]; prefix_k/v [1, KV, P, D]; key/value [B, KV, L, D] (H = KV · n_rep, query
     head h reads kv head h // n_rep); mask: bool [B, 1, Q, L] over the rows' own keys (True =
-    attend) or None (all visible). Returns [B, H, Q, D].
+    attend) or None (all visible); `prepared`: `_rows_mask(mask, ...)` if already computed.
+    Returns [B, H, Q, D].
     """
     B, H, Q, D = query.shape
     KV = key.shape[1]
@@ -52,12 +63,10 @@ def split_attention(query: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch
     out_p = out_p.reshape(KV, B, rep * Q, D).transpose(0, 1)
     lse_p = lse_p.reshape(KV, B, rep * Q).transpose(0, 1)
     # own keys: grouped query heads share their kv head's mask
-    rows_mask = None
-    if mask is not None:
-        rows_mask = mask[:, :, None].expand(B, 1, rep, Q, mask.shape[-1]).reshape(B, 1, rep * Q, mask.shape[-1])
-    out_r, lse_r = _flash(grouped, key, value, rows_mask, scale)
-    if rows_mask is not None:  # a query that sees none of its own keys (a hole) gets lse 0 from the kernel, not −inf
-        lse_r = lse_r.masked_fill(~rows_mask.any(-1).expand_as(lse_r), float("-inf"))
+    additive, seen = prepared if prepared is not None else _rows_mask(mask, rep, query.dtype)
+    out_r, lse_r = _flash(grouped, key, value, additive, scale)
+    if seen is not None:  # a query that sees none of its own keys (a hole) gets lse 0 from the kernel, not −inf
+        lse_r = lse_r.masked_fill(~seen.expand_as(lse_r), float("-inf"))
     m = torch.maximum(lse_p, lse_r)
     w_p = torch.exp(lse_p - m)[..., None]
     w_r = torch.exp(lse_r - m)[..., None]
@@ -65,18 +74,8 @@ def split_attention(query: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch
     return out.to(query.dtype).reshape(B, H, Q, D)
 
 
-def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """A transformers attention function (registered as NAME): split attention when the layer's
-    cache holds a shared prefix, transformers' SDPA otherwise."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    cache = kwargs.get("keel_cache")
-    prefix = None
-    if cache is not None and query.device.type == "cpu":
-        prefix = getattr(cache.layers[module.layer_idx], "prefix", None)
-    if prefix is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    P = prefix[0].shape[-2]
+def _own_mask(attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, P: int) -> torch.Tensor | None:
+    """The model's mask over [prefix ‖ own keys] cut to the own keys, boolean, one row per query row."""
     mask = attention_mask
     if mask is not None:
         if mask.shape[-1] != P + key.shape[2]:
@@ -90,7 +89,29 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0, s
         Q, L = query.shape[2], key.shape[2]
         mask = (torch.arange(L, device=query.device)[None, :] <= torch.arange(L - Q, L, device=query.device)[:, None])[None, None]
         mask = mask.expand(query.shape[0], 1, Q, L)
-    out = split_attention(query, prefix[0], prefix[1], key, value, mask, scaling)
+    return mask
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """A transformers attention function (registered as NAME): split attention when the layer's
+    cache holds a shared prefix, transformers' SDPA otherwise."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cache = kwargs.get("keel_cache")
+    prefix = None
+    if cache is not None and query.device.type == "cpu":
+        prefix = getattr(cache.layers[module.layer_idx], "prefix", None)
+    if prefix is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    # every layer of one forward gets the same mask object: prepare it for the kernel once
+    memo = getattr(cache, "_keel_rows_mask", None)
+    if attention_mask is not None and memo is not None and memo[0] is attention_mask:
+        prepared = memo[1]
+    else:
+        mask = _own_mask(attention_mask, query, key, prefix[0].shape[-2])
+        prepared = _rows_mask(mask, query.shape[1] // key.shape[1], query.dtype)
+        cache._keel_rows_mask = (attention_mask, prepared)
+    out = split_attention(query, prefix[0], prefix[1], key, value, None, scaling, prepared)
     return out.transpose(1, 2).contiguous(), None
 
 
