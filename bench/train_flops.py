@@ -10,9 +10,12 @@ their assistant tokens marked as policy tokens, old log-probs set to the model's
 as at a real step), advantages ±1.
 
 FLOPs are counted, not estimated: `torch.utils.flop_counter.FlopCounterMode` records every
-matmul/attention of one update, forward and backward (elementwise work is not counted, so the
-fraction is of GEMM work only). That count is then divided by the median wall time of untimed-
-counter runs. Peak: median of 2048×2048 @ 2048×2048 matmuls in fp32 and bf16.
+matmul of one update, forward and backward (elementwise work is not counted, so the fraction is
+of GEMM work only). Its registry has no formula for the CPU flash-attention kernels, so this
+script adds one (`attention_flops`) that counts only the query–key pairs the mask lets through:
+4·d FLOPs per visible pair and head forward, 10·d backward (scores recomputed, then dV, dP, dQ,
+dK). The total is divided by the median wall time of runs without the counter. Peak: median of
+2048×2048 @ 2048×2048 matmuls in fp32 and bf16.
 
     python bench/train_flops.py                          # 8 trajectories, 2 reps per dtype (~4 min)
     python bench/train_flops.py --trajectories 16 --reps 3 --micro-batch 8
@@ -51,6 +54,37 @@ def gemm_peak(dtype: torch.dtype, n: int = 2048, reps: int = 10) -> float:
         a @ b
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / statistics.median(times)
+
+
+def visible_pairs(query, key, is_causal: bool, attn_mask) -> int:
+    """Query–key pairs (summed over batch and query heads) that attention actually mixes."""
+    b, h, q, k = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+    if attn_mask is not None:
+        seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+        seen = seen.expand(b, -1, q, k)
+        return int(seen.sum()) * (h // seen.shape[1])
+    if is_causal:  # top-left aligned: query i sees keys 0..i
+        return b * h * sum(min(i + 1, k) for i in range(q))
+    return b * h * q * k
+
+
+def attention_flops(fwd: bool):
+    """A FlopCounterMode formula for aten::_scaled_dot_product_flash_attention_for_cpu[_backward]."""
+
+    def count(*args, out_val=None, **kwargs) -> int:
+        query, key = (args[0], args[1]) if fwd else (args[1], args[2])
+        is_causal = (args[4] if len(args) > 4 else kwargs.get("is_causal", False)) if fwd else args[7]
+        pairs = visible_pairs(query, key, bool(is_causal), kwargs.get("attn_mask"))
+        return pairs * query.shape[-1] * (4 if fwd else 10)
+
+    count._get_raw = True  # receive the tensors (the mask's contents), not just shapes
+    return count
+
+
+ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: attention_flops(True),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_flops(False),
+}
 
 
 def make_batch(model, tok, n: int, seed: int = 0):
@@ -107,10 +141,12 @@ def main() -> None:
 
     flops = {}
     for name, autocast in (("fp32", False), ("bf16", True)):
-        counter = FlopCounterMode(display=False)
+        counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
         with counter:
             update_once(copy.deepcopy(model), ref, trajs, adv, cfg, tok.pad_token_id, autocast)
         flops[name] = counter.get_total_flops()
+        by_op = counter.get_flop_counts()["Global"]
+        print(f"  {name} counted: " + ", ".join(f"{op} {n / 1e12:.2f} TFLOP" for op, n in by_op.items()), flush=True)
     peaks = {"fp32": [], "bf16": []}
     times = {"fp32": [], "bf16": []}
     for rep in range(args.reps):  # interleaved: peak fp32, update fp32, peak bf16, update bf16

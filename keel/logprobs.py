@@ -232,7 +232,10 @@ def _hidden_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
 
 
 def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logp = torch.log_softmax(head(h).float() / temperature, dim=-1)
+    logits = head(h).float()
+    if temperature != 1.0:  # x / 1.0 == x: skip a pass over [chunk, vocab]
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
     picked = logp.gather(1, targets[:, None])[:, 0]
     if not with_entropy:
         return picked, picked.new_zeros(0)
