@@ -57,6 +57,7 @@ def keel_step(model, ref, tok, env, tasks, args, seed: int) -> dict:
     from keel.answers import exact_match
     from keel.config import Config
     from keel.losses import group_advantages
+    from keel.memory import release_free_memory
     from keel.rollout import SamplingParams, rollout
     from keel.train import grpo_update
 
@@ -70,6 +71,7 @@ def keel_step(model, ref, tok, env, tasks, args, seed: int) -> dict:
                     generator=torch.Generator().manual_seed(seed), groups=groups)
     rewards = torch.tensor([exact_match(tr.answer, task.answers + task.aliases) for tr, task in zip(trajs, rows)])
     adv = group_advantages(rewards, torch.tensor(groups))
+    release_free_memory()  # as the trainer does between its rollout and its update
     t1 = time.perf_counter()
     cfg.grpo.skip_zero_advantage = False  # TRL forwards every completion; so does Keel here
     grpo_update(model, ref, opt, trajs, adv, cfg, tok.pad_token_id, 1.0)

@@ -51,6 +51,7 @@ def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int 
     from keel.kg.env import KGEnv
     from keel.kg.synth import generate_splits
     from keel.losses import group_advantages
+    from keel.memory import release_free_memory
     from keel.models import load_model
     from keel.rollout import SamplingParams, rollout
     from keel.train import grpo_update
@@ -92,6 +93,7 @@ def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int 
                     generator=torch.Generator().manual_seed(0), groups=groups)
     out["rollout_s"] = time.perf_counter() - t0
     out["rss_after_rollout_gb"] = _rss_gb()
+    release_free_memory()  # as the trainer does between its rollout and its update
     out["tokens"] = sum(len(t.token_ids) for t in trajs)
     out["policy_tokens"] = sum(t.num_policy_tokens for t in trajs)
     rewards = torch.tensor([float(i % 2) for i in range(len(trajs))])

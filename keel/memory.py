@@ -16,18 +16,39 @@ import ctypes.util
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 
 
+def _glibc(function: str):
+    """A glibc function by name, or None where there is none (macOS, musl)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        return getattr(ctypes.CDLL(name), function)
+    except (OSError, AttributeError):
+        return None
+
+
 def set_mmap_threshold(megabytes: float) -> bool:
     """Fix glibc's mmap threshold at `megabytes` (this also stops its dynamic adjustment).
     Returns False where there is no glibc `mallopt` (macOS, musl): nothing changes there."""
     if megabytes <= 0:
         raise ValueError(f"run.malloc_mmap_threshold_mb must be > 0, got {megabytes}")
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, int(megabytes * 1024 * 1024)))
+
+
+def release_free_memory() -> bool:
+    """Hand the heap's free pages back to the OS (glibc `malloc_trim(0)`). Between phases of a
+    run (rollout → update, after a step or an evaluation) the previous phase's freed tensors sit
+    in glibc's heap at sizes the next phase does not reuse well, and count towards peak RSS.
+    Takes milliseconds; returns False where there is no glibc `malloc_trim` (nothing changes)."""
+    trim = _glibc("malloc_trim")
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True

@@ -36,6 +36,7 @@ from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier
 from keel.evaluate import evaluate_model
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
 from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate
+from keel.memory import release_free_memory, set_mmap_threshold
 from keel.models import DTYPES, LoRA, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
 from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, create_run_dir, swap_dir, truncate_jsonl_lines, write_jsonl
@@ -144,6 +145,12 @@ def grpo_update(
     parts = micro_batches(kept, g.micro_batch_size, cfg.model.max_tokens_per_micro_batch)
     with _autocast(cfg.model.autocast, model):
         prefix = update_prefix(model, kept, parts)
+        with torch.no_grad():  # the reference's own encoding of the same prefix, also once per update
+            if isinstance(ref_model, LoRA):
+                with ref_model.reference():
+                    ref_prefix = update_prefix(model, kept, parts)
+            else:
+                ref_prefix = update_prefix(ref_model, kept, parts) if ref_model is not None else None
     for part in parts:
         idx = [members[j] for j in part]
         batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
@@ -153,10 +160,10 @@ def grpo_update(
         with torch.no_grad():
             if isinstance(ref_model, LoRA):  # the base model: the policy with its adapters off
                 with ref_model.reference(), _autocast(cfg.model.autocast, model):
-                    ref_logp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature)
+                    ref_logp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, prefix=ref_prefix)
             elif ref_model is not None:
                 with _autocast(cfg.model.autocast, ref_model):
-                    ref_logp, _ = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature)
+                    ref_logp, _ = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, prefix=ref_prefix)
             else:
                 ref_logp = logp.detach()
         old = batch.old_logprobs[batch.target_mask]
@@ -339,8 +346,6 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     if cfg.run.malloc_mmap_threshold_mb:
-        from keel.memory import set_mmap_threshold
-
         if not set_mmap_threshold(cfg.run.malloc_mmap_threshold_mb) and ctx.is_main:
             print("[keel] warning: run.malloc_mmap_threshold_mb has no effect here (no glibc mallopt)", flush=True)
     # fails here, before training, if a package is missing; other ranks log nothing
@@ -463,6 +468,7 @@ class Trainer:
     # ---- small services -------------------------------------------------------------------
     def log(self, line: dict[str, Any]) -> None:
         line = {M.STEP: self.p.step, **line, M.TIME_WALL: time.time() - self.t_start, M.MEM_PEAK_RSS: _peak_rss_mb()}
+        release_free_memory()  # a line ends a step or an evaluation: hand that phase's freed heap back
         self.p.metrics_lines += 1
         if not self.ctx.is_main:
             return
@@ -833,6 +839,7 @@ class Trainer:
         local = rollout(self.sampler, self.tok, self.env, local_rows, params, generator=gens, groups=local_groups, hints=hints,
                         hint_position=s.hint.position)
         t_rollout = time.time() - t0
+        release_free_memory()  # the rollout's KV caches were freed into the heap; the update allocates differently
         for tr, task in zip(local, local_rows):
             try:
                 total, parts = self.reward_fn(tr, task)

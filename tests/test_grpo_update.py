@@ -58,6 +58,38 @@ def test_micro_batch_size_does_not_change_gradients(tiny):
             assert abs(sa["loss/policy"] - sb["loss/policy"]) < 1e-6
 
 
+def test_reference_prefix_shared_across_micro_batches(tiny):
+    """With a reference that differs from the policy and a large KL weight, an update cut into
+    micro-batches (policy and reference each encode the shared prefix once for all of them) gives
+    the KL statistics and gradients of one uncut micro-batch."""
+    from keel.logprobs import micro_batches
+
+    model, tok = tiny
+    trajs, adv = _batch(tiny)
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for q in ref.parameters():
+            q.add_(0.02 * torch.randn(q.shape, generator=gen))
+    seqs = [t.token_ids for t in trajs]
+    cap = next(c for c in range(1, 10**6) if len(micro_batches(seqs, 8, c)) <= 3)
+    assert len(micro_batches(seqs, 8, cap)) > 1
+    results = []
+    for tokens in (0, cap):
+        cfg = Config()
+        cfg.grpo.kl_coef, cfg.grpo.max_grad_norm = 1.0, 1e9
+        cfg.model.max_tokens_per_micro_batch = tokens
+        m = copy.deepcopy(model)
+        stats = grpo_update(m, ref, torch.optim.SGD(m.parameters(), lr=0.0), trajs, adv, cfg, tok.pad_token_id, 1.0)
+        results.append((stats, {n: q.grad.clone() for n, q in m.named_parameters() if q.grad is not None}))
+    (sa, ga), (sb, gb) = results
+    assert sa["kl/k1_mean"] > 1e-3  # the reference really differs
+    for key in ("kl/k1_mean", "kl/k3_mean", "loss/kl", "loss/total"):
+        assert abs(sa[key] - sb[key]) < 1e-5, (key, sa[key], sb[key])
+    for k in ga:
+        assert torch.allclose(ga[k], gb[k], atol=1e-6, rtol=1e-4), k
+
+
 def test_update_increases_the_advantage_weighted_likelihood(tiny):
     """At ratio 1 the surrogate's gradient is that of J = Σ_tokens A·logp / N; a small step must raise J."""
     from keel.logprobs import collate, token_logprobs
