@@ -6,18 +6,23 @@ micro-batch are a few MB). glibc serves allocations below its mmap threshold (dy
 GRPO step with LoRA and gradient checkpointing (bench/step_memory.py), peak RSS 3.2 GB of which
 ~1.2 GB are live tensors. With the threshold fixed at 2 MB, allocations of 2 MB and more are
 mmapped and unmapped on free: peak 1.46 GB, update ~35% slower (page faults on fresh maps).
+Between phases the trainer also hands the heap's free pages back (`release_free_memory`): the
+main job's peak RSS went from 10.4 to 9.4 GB, wall time 8 min 58 s vs 8 min 51 s.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 
 
+@functools.cache
 def _glibc(function: str):
-    """A glibc function by name, or None where there is none (macOS, musl)."""
+    """A glibc function by name, or None where there is none (macOS, musl). Looked up once:
+    `find_library` may run `ldconfig`, and the trainer trims after every step."""
     name = ctypes.util.find_library("c")
     if not name:
         return None
