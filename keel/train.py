@@ -16,6 +16,7 @@ equal are skipped when `grpo.skip_zero_advantage` (their policy-gradient term is
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from dataclasses import asdict, dataclass, field
@@ -85,6 +86,15 @@ def _autocast(enabled: bool, model):
     return torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
 
 
+def _reference(ref_model, model):
+    """(network that computes the KL reference's log-probs, factory of the context it runs in).
+    With LoRA the reference is the policy itself with its adapters switched off; a frozen copy
+    runs as it is; None: no reference (network None)."""
+    if isinstance(ref_model, LoRA):
+        return model, ref_model.reference
+    return ref_model, contextlib.nullcontext
+
+
 def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad_norm: float, micro: int = 8, autocast: bool = False,
              max_tokens: int = 0) -> dict[str, float]:
     """One optimizer step of NLL on the examples' target tokens (token-mean over the batch).
@@ -143,29 +153,24 @@ def grpo_update(
     sums = {"pg": 0.0, "kl": 0.0, "k1": 0.0, "k3": 0.0, "low": 0.0, "high": 0.0, "ratio": 0.0, "ent": 0.0}
     kept = [[trajectories[i].token_ids[k] for k in kept_positions(trajectories[i].sources)] for i in members]
     parts = micro_batches(kept, g.micro_batch_size, cfg.model.max_tokens_per_micro_batch)
+    ref_net, ref_mode = _reference(ref_model, model)
+    ref_prefix = None
     with _autocast(cfg.model.autocast, model):
         prefix = update_prefix(model, kept, parts)
-        with torch.no_grad():  # the reference's own encoding of the same prefix, also once per update
-            if isinstance(ref_model, LoRA):
-                with ref_model.reference():
-                    ref_prefix = update_prefix(model, kept, parts)
-            else:
-                ref_prefix = update_prefix(ref_model, kept, parts) if ref_model is not None else None
+        if ref_net is not None:  # the reference's own encoding of the same prefix, also once per update
+            with torch.no_grad(), ref_mode():
+                ref_prefix = update_prefix(ref_net, kept, parts)
     for part in parts:
         idx = [members[j] for j in part]
         batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
         with _autocast(cfg.model.autocast, model):
             logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True,
                                        prefix=prefix)
-        with torch.no_grad():
-            if isinstance(ref_model, LoRA):  # the base model: the policy with its adapters off
-                with ref_model.reference(), _autocast(cfg.model.autocast, model):
-                    ref_logp, _ = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, prefix=ref_prefix)
-            elif ref_model is not None:
-                with _autocast(cfg.model.autocast, ref_model):
-                    ref_logp, _ = token_logprobs(ref_model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, prefix=ref_prefix)
-            else:
-                ref_logp = logp.detach()
+        if ref_net is None:
+            ref_logp = logp.detach()
+        else:
+            with torch.no_grad(), ref_mode(), _autocast(cfg.model.autocast, model):
+                ref_logp, _ = token_logprobs(ref_net, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, prefix=ref_prefix)
         old = batch.old_logprobs[batch.target_mask]
         # Expert tokens (off-policy supervision) were not sampled: their "old" log-prob is the
         # current policy's, taken before the update (ratio 1 at this step, as in paper A).
