@@ -83,14 +83,10 @@ MIN_SHARED_PREFIX = 32  # below this, encoding the prefix separately saves less 
 
 
 def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
-    """Length of the token prefix every row shares (rows are right-padded), at most min length − 1."""
-    lengths = attention_mask.sum(-1)
-    limit = int(lengths.min()) - 1
-    if input_ids.shape[0] < 2 or limit <= 0:
-        return 0
-    same = (input_ids[:, :limit] == input_ids[:1, :limit]).all(0)
-    diff = (~same).nonzero()
-    return int(diff[0]) if diff.numel() else limit
+    """Length of the token prefix every row shares (rows are right-padded), at most min length − 1:
+    `common_prefix_len` of the rows without their padding."""
+    lengths = attention_mask.sum(-1).tolist()
+    return common_prefix_len([row[:n] for row, n in zip(input_ids.tolist(), lengths)])
 
 
 def micro_batches(sequences: list[list[int]], max_rows: int, max_tokens: int = 0) -> list[list[int]]:

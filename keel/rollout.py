@@ -351,12 +351,12 @@ def rollout(
         traj = Trajectory(task_id=task.id, token_ids=[], sources=[], logprobs=[], group=groups[i] if groups else -1)
         rows.append(_Row(task=task, episode=env.start(task), ids=ids, sources=sources, logprobs=[0.0] * len(ids), traj=traj))
     t0 = time.perf_counter()
-    prefill_s = append_s = 0.0
+    append_s = 0.0
     attention = contextlib.ExitStack()
     try:
         attention.enter_context(_cascade_attention(model, device.type == "cpu"))
         logits, cache, attn = _prefill(model, [r.ids for r in rows], device)
-        prefill_s, append_s = time.perf_counter() - t0, 0.0
+        prefill_s = time.perf_counter() - t0
         prefix = getattr(cache.layers[0], "prefix", None)
         prefix_cols = prefix[0].shape[-2] if prefix is not None else 0  # attn columns not in the rows' cache
         for r in rows:
