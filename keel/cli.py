@@ -1,4 +1,4 @@
-"""The `keel` command: train, eval, data, diagnose, report, compare.
+"""The `keel` command: train, sweep, eval, data, diagnose, report, compare.
 
 Every user error (bad config key, missing file, existing run directory) ends with one line
 `keel: error: ...` and exit status 2; nothing half-written is left behind.
@@ -20,6 +20,12 @@ EPILOG_TRAIN = """examples:
   keel train --help-config                           # every config key, its default and meaning
 """
 
+EPILOG_SWEEP = """examples:
+  keel sweep configs/kg_grpo.yaml configs/kg_sft_grpo.yaml --seeds 0,1,2 --out runs/paperA-kg
+  keel sweep configs/smoke.yaml --seeds 0,1 --smoke --set grpo.steps=3 --out runs/sweep-smoke
+  (Ctrl-C stops the sweep after checkpointing the current run; the same command continues it)
+"""
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="keel", description="Keel: GRPO for multi-step tool use, with the supervision that prevents collapse and the diagnostics that catch it.")
@@ -33,6 +39,17 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--smoke", action="store_true", help="shrink the preset to the tiny model and a minimal budget, to check it runs in seconds")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from checkpoints/latest (its config.yaml; --set may extend it, e.g. grpo.steps)")
     t.add_argument("--help-config", action="store_true", help="print every config key with its default and documentation")
+
+    sw = sub.add_parser("sweep", help="train presets × seeds one after another into DIR, continue it when re-run, then compare",
+                        epilog=EPILOG_SWEEP, formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Train every preset with every seed, one run after another, into DIR/<preset>-s<seed> (run.seed = seed), then "
+                                    "write `keel compare` of all runs to DIR/compare.txt and DIR/compare.html. Re-running the same command "
+                                    "skips finished runs and continues an interrupted one; other arguments for the same DIR are refused.")
+    sw.add_argument("presets", nargs="+", metavar="PRESET", help="YAML presets (paths, or names under configs/)")
+    sw.add_argument("--seeds", default="0", help="comma-separated run.seed values, e.g. 0,1,2 (default: 0)")
+    sw.add_argument("--out", required=True, metavar="DIR", help="sweep directory (new, empty, or this same sweep to continue it)")
+    sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one config key in every run; repeatable")
+    sw.add_argument("--smoke", action="store_true", help="shrink every run as `keel train --smoke` does")
 
     e = sub.add_parser("eval", help="evaluate a policy (model dir, 'smollm2', 'oracle', 'null') on KG, BFCL or ACEBench tasks",
                        description="Evaluate a policy and write DIR/summary.json (eval/em, eval/f1, eval/tools_per_question, n, ...) and DIR/results.jsonl (one line per question).")
@@ -123,10 +140,7 @@ def _train(args) -> int:
             raise FileNotFoundError(f"--resume {run}: no config.yaml (not a Keel run directory)")
         if args.config or args.smoke or args.out:
             raise ValueError("--resume takes the run's own config.yaml; do not also give a preset, --smoke or --out")
-        cfg = load_config(run / "config.yaml", args.overrides)
-        from keel.train import train
-
-        summary = train(cfg, run, resume=True)
+        summary = resume_run(run, args.overrides)
         if os.environ.get("RANK", "0") != "0":
             return 0
         print(json.dumps({k: summary[k] for k in ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s") if k in summary}, indent=2))
@@ -162,6 +176,19 @@ def _train(args) -> int:
     print(json.dumps({k: summary[k] for k in ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s") if k in summary}, indent=2))
     print(f"[keel] run directory: {out}")
     return 0
+
+
+def resume_run(run: Path, overrides: list[str] | None = None) -> dict:
+    """`keel train --resume RUN`: its own config.yaml (plus `overrides`), from checkpoints/latest.
+    `keel sweep` continues its interrupted runs through this same function."""
+    from keel.config import load_config
+    from keel.train import train
+
+    run = Path(run)
+    if not (run / "config.yaml").exists():
+        raise FileNotFoundError(f"--resume {run}: no config.yaml (not a Keel run directory)")
+    cfg = load_config(run / "config.yaml", overrides or [])
+    return train(cfg, run, resume=True)
 
 
 def _remove_if_fresh(out: Path) -> None:
@@ -365,7 +392,13 @@ def _compare(args) -> int:
     return 0
 
 
-COMMANDS = {"distill": _distill, "train": _train, "eval": _eval, "data": _data, "diagnose": _diagnose, "report": _report, "compare": _compare}
+def _sweep(args) -> int:
+    from keel.sweep import run_sweep
+
+    return run_sweep(args.presets, args.seeds, args.out, args.overrides, smoke=args.smoke)
+
+
+COMMANDS = {"sweep": _sweep, "distill": _distill, "train": _train, "eval": _eval, "data": _data, "diagnose": _diagnose, "report": _report, "compare": _compare}
 
 
 if __name__ == "__main__":
