@@ -51,6 +51,7 @@ class DataConfig:
     n_dev: int = doc(100, "synthetic: dev questions")
     n_test: int = doc(200, "synthetic: test questions")
     max_calls_per_turn: int = doc(6, "synthetic: skip questions whose gold needs more parallel calls in one turn (shorter trajectories on CPU)")
+    kinds: list[str] = doc([], "synthetic: question kinds to generate, a subset of composition, conjunction, comparative, superlative (empty: all four)")
     dir: str = doc("", "source=dir: a dataset directory with kb.tsv and train/dev/test.jsonl (from `keel data kg-synth`)")
     kb: str = doc("", "source=files: triples file (TSV head\\trelation\\ttail or |-separated, .gz ok)")
     train: str = doc("", "source=files: training questions (Keel JSONL, CWQ, PathQuestion, MetaQA)")
@@ -341,6 +342,8 @@ def validate(cfg: Config) -> None:
         (cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}"),
         (cfg.env.kind in ("kg", "fc_learn"), f"env.kind must be kg or fc_learn, got {cfg.env.kind!r}"),
         (cfg.data.source in ("synthetic", "files", "dir"), f"data.source must be synthetic, files or dir, got {cfg.data.source!r}"),
+        (set(cfg.data.kinds) <= {"composition", "conjunction", "comparative", "superlative"},
+         f"data.kinds must be a subset of composition, conjunction, comparative, superlative, got {cfg.data.kinds!r}"),
         (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),
         (cfg.eval.every >= 1, "eval.every must be ≥ 1"),
         (cfg.grpo.micro_batch_size >= 1, "grpo.micro_batch_size must be ≥ 1"),

@@ -37,6 +37,10 @@ def test_smoke_preset_runs_the_whole_loop_under_60s(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     for key in ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s"):
         assert key in summary
+    # the RL phase's lift: final eval vs post-SFT eval on the same questions, said in words on the console
+    assert summary["rl_lift/n"] == 2 and summary["rl_lift/gained"] + summary["rl_lift/lost"] <= 2
+    assert abs(summary["rl_lift/em"] - (summary["eval_final"]["eval/em"] - summary["eval_after_sft"]["eval/em"])) < 1e-9
+    assert "RL lifted dev EM" in r.stdout and "McNemar p=" in r.stdout
     assert (out / "checkpoints" / "latest" / "model.safetensors").exists()
     assert (out / "checkpoints" / "latest" / "trainer_state.json").exists()
     assert list((out / "samples").glob("step_*.jsonl")) and list((out / "eval").glob("step_*.jsonl"))
@@ -108,7 +112,7 @@ def test_data_generator_cli_is_deterministic(tmp_path):
 def test_help_explains_each_command():
     r = keel("--help")
     assert r.returncode == 0
-    for cmd in ("train", "eval", "data", "diagnose", "report", "compare"):
+    for cmd in ("train", "sweep", "eval", "data", "diagnose", "report", "compare"):
         assert cmd in r.stdout
     r = keel("train", "--help")
     assert "--smoke" in r.stdout and "--set" in r.stdout

@@ -142,3 +142,15 @@ def test_sizes_configurable():
     assert [len(splits[k]) for k in ("train", "dev", "test")] == [30, 7, 9]
     assert len([e for e, k in kg.kind_of.items() if k == "person"]) == 300
     assert splits["dev"][0].id == "synth-s1-dev-0000"
+
+
+def test_kinds_subset_is_the_same_graph_and_questions_of_those_kinds():
+    _, full = synth.generate_splits(seed=0, train=80, dev=10, test=10)
+    _, only = synth.generate_splits(seed=0, train=80, dev=10, test=10, config=synth.SynthConfig(kinds=("composition",)))
+    asked = [t for split in only.values() for t in split]
+    assert {t.kind for t in asked} == {"composition"} and len(asked) == 100
+    # the candidate pools are drawn as for all four kinds: the full set's composition questions are among the subset's
+    full_composition = {t.question for split in full.values() for t in split if t.kind == "composition"}
+    assert full_composition and full_composition <= {t.question for t in asked}
+    with pytest.raises(ValueError, match="question kinds"):
+        synth.generate_splits(seed=0, train=8, dev=1, test=1, config=synth.SynthConfig(kinds=("composition", "trivia")))

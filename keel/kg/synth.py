@@ -43,6 +43,7 @@ RELATIONS = sorted(
 )
 
 TAIL, HEAD = "get_tail_entities", "get_head_entities"
+KINDS = ("composition", "conjunction", "comparative", "superlative")  # CWQ's question kinds
 _ID_CHARS = "0123456789bcdfghjklmnpqrstvwxyz_"  # Freebase mids use digits, consonants and "_"
 _FIRST = ("Ada Bram Cora Dario Elin Felix Greta Hugo Ines Jonas Kira Lukas Mara Nils Olga Piet Rhea Sven "
           "Tilda Umar Vera Wim Yara Zeno Alma Basil Clio Dmitri Edda Fabian Gwen Hal Ilse Jasper Katya Leon "
@@ -76,6 +77,8 @@ class SynthConfig:
     """people.marriage CVT nodes, each linking two people."""
     max_calls_per_turn: int = 6
     """Questions needing more parallel calls in one turn are not generated (short trajectories)."""
+    kinds: tuple[str, ...] = KINDS
+    """Question kinds generated (CWQ's four); a subset gives a simpler slice of the same graph and interface."""
 
 
 # --- the graph ------------------------------------------------------------------------------
@@ -334,9 +337,14 @@ def _make_task(kg: SynthKG, kind: str, template: str, question: str, plan: dict[
     )
 
 
-def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6) -> list[Task]:
+def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: tuple[str, ...] = KINDS) -> list[Task]:
     """Up to `total` distinct questions, kinds in turn (composition, conjunction, comparative,
-    superlative) and templates in turn within a kind, so every kind is about equally common."""
+    superlative, or the subset `kinds`) and templates in turn within a kind, so every kind is
+    about equally common. The candidate pools are drawn for every kind whatever `kinds` is, so a
+    subset's questions are those the full set would have drawn for its kinds."""
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown or not kinds:
+        raise ValueError(f"synth: question kinds must be a non-empty subset of {', '.join(KINDS)}; got {', '.join(kinds) or 'none'}")
     rng = random.Random(seed * 7919 + 1)  # a stream apart from the graph's
     pools = _candidates(kg, rng)
     by_template: dict[str, dict[str, list]] = {}
@@ -348,9 +356,9 @@ def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6) -> list[
     turn_in_kind = {kind: 0 for kind in queues}
     tasks: list[Task] = []
     seen: set[str] = set()
-    kinds = [k for k in ("composition", "conjunction", "comparative", "superlative") if k in queues]
-    while len(tasks) < total and any(any(q) for q in queues.values()):
-        for kind in kinds:
+    active = [k for k in KINDS if k in queues and k in kinds]
+    while len(tasks) < total and any(any(queues[k]) for k in active):
+        for kind in active:
             if len(tasks) >= total:
                 break
             templates = [q for q in queues[kind] if q]
@@ -374,7 +382,7 @@ def generate_splits(seed: int = 0, train: int = 1000, dev: int = 100, test: int 
     """The graph and its question splits, in memory (what `generate` writes)."""
     c = config or SynthConfig()
     kg = build_kg(seed, c)
-    tasks = build_tasks(kg, seed, train + dev + test, c.max_calls_per_turn)
+    tasks = build_tasks(kg, seed, train + dev + test, c.max_calls_per_turn, tuple(c.kinds))
     if len(tasks) < train + dev + test:
         raise ValueError(f"synth: the graph supports only {len(tasks)} distinct questions, {train + dev + test} asked; enlarge SynthConfig")
     random.Random(seed * 104729 + 2).shuffle(tasks)
