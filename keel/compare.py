@@ -108,6 +108,23 @@ def mcnemar(b: int, c: int, exact_below: int = EXACT_BELOW) -> McNemar:
     return McNemar(b, c, "chi2_cc", chi2, math.erfc(math.sqrt(chi2 / 2)))
 
 
+def paired_lift(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], field: str = "em") -> dict[str, float]:
+    """`after` against `before` on the questions both evaluated (`read_eval` dicts), with an
+    exact McNemar test on the discordant pairs: {lift, p_value, n, gained, lost, before, after}.
+
+    Worked example: before em 1,0,0,0,1,0,0,0,0,0 and after 1,1,1,1,0,1,1,1,1,0 → gained 7,
+    lost 1, n 10, lift 0.8 − 0.2 = 0.6, p = 2·P[X ≤ 1], X ~ Bin(8, ½) = 2·9/256 = 0.0703125.
+    """
+    shared = sorted(q for q in set(before) & set(after) if field in before[q] and field in after[q])
+    gained = sum(1 for q in shared if after[q][field] > before[q][field])
+    lost = sum(1 for q in shared if after[q][field] < before[q][field])
+    n = len(shared)
+    mean_before = sum(before[q][field] for q in shared) / n if n else 0.0
+    mean_after = sum(after[q][field] for q in shared) / n if n else 0.0
+    return {"lift": mean_after - mean_before, "p_value": mcnemar(gained, lost, exact_below=math.inf).p_value, "n": n,
+            "gained": gained, "lost": lost, "before": mean_before, "after": mean_after}
+
+
 def holm(p_values: list[float]) -> list[float]:
     """Holm step-down adjusted p-values, in the input order.
 

@@ -84,6 +84,15 @@ EVAL_PASS_AT_K_TOOLS = "eval/pass_at_k_tools"
 EVAL_PASS_AT_K_NO_TOOLS = "eval/pass_at_k_no_tools"
 EVAL_N = "eval/n"
 
+# rl_lift/ (summary.json only): the RL phase's effect, final eval vs the post-SFT eval, paired per question
+RL_LIFT_EM = "rl_lift/em"  # final EM − post-SFT EM on the same dev questions
+RL_LIFT_P_VALUE = "rl_lift/p_value"  # exact McNemar (binomial) test on the discordant pairs
+RL_LIFT_N = "rl_lift/n"  # questions in both evaluations
+RL_LIFT_GAINED = "rl_lift/gained"  # wrong after SFT, right at the end
+RL_LIFT_LOST = "rl_lift/lost"  # right after SFT, wrong at the end
+RL_LIFT_EM_AFTER_SFT = "rl_lift/em_after_sft"  # EM of the post-SFT eval on those questions
+RL_LIFT_EM_FINAL = "rl_lift/em_final"  # EM of the final eval on those questions
+
 # time/ and mem/
 TIME_ROLLOUT = "time/rollout_s"
 TIME_UPDATE = "time/update_s"

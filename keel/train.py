@@ -681,6 +681,7 @@ class Trainer:
                 self.sync_sampler()
                 means = self.evaluate("after_sft")
                 p.summary["eval_after_sft"] = means
+                p.summary["eval_after_sft_step"] = p.step
                 self.log({M.PHASE: "eval", **means})
             p.phase = "rl"
             self.make_reference()
@@ -981,6 +982,9 @@ class Trainer:
         s["grpo_steps_done"] = p.rl_done
         s["phase"] = p.phase
         s["interrupted"] = interrupted
+        lift = self.rl_lift() if self.ctx.is_main else None
+        if lift is not None:
+            s.update(lift)
         s["wall_time_s"] = s.get("wall_time_s", 0.0) + (time.time() - self.t_start)
         if self.ctx.enabled:
             s["processes"] = self.ctx.world_size
@@ -989,8 +993,26 @@ class Trainer:
         self.refresh_report()
         if interrupted:
             self.say(f"[keel] stopped cleanly at step {p.step}; continue with: keel train --resume {self.run_dir}")
+        elif lift is not None:
+            self.say(f"[keel] RL lifted dev EM {lift[M.RL_LIFT_EM_AFTER_SFT]:.2f} → {lift[M.RL_LIFT_EM_FINAL]:.2f} "
+                     f"({lift[M.RL_LIFT_EM]:+.2f}, McNemar p={lift[M.RL_LIFT_P_VALUE]:.3g}, n={lift[M.RL_LIFT_N]}; "
+                     f"{lift[M.RL_LIFT_GAINED]} questions gained, {lift[M.RL_LIFT_LOST]} lost)")
         barrier(self.ctx)
         return s
+
+    def rl_lift(self) -> dict[str, Any] | None:
+        """What the RL phase did: the final evaluation against the post-SFT one, paired per dev
+        question (the final checkpoint, not the peak: no selection on the set reported), with an
+        exact McNemar test. None without both evaluations (no SFT, or no RL eval yet)."""
+        from keel.compare import paired_lift, read_eval
+
+        after_sft = self.p.summary.get("eval_after_sft_step")
+        if after_sft is None or self.p.last_eval is None or self.p.rl_done == 0:
+            return None
+        final = sorted((self.run_dir / "eval").glob("step_*.jsonl"))[-1]  # zero-padded names: the last is the latest
+        lift = paired_lift(read_eval(self.run_dir / "eval" / f"step_{after_sft:06d}.jsonl"), read_eval(final))
+        return {M.RL_LIFT_EM: lift["lift"], M.RL_LIFT_P_VALUE: lift["p_value"], M.RL_LIFT_N: lift["n"], M.RL_LIFT_GAINED: lift["gained"],
+                M.RL_LIFT_LOST: lift["lost"], M.RL_LIFT_EM_AFTER_SFT: lift["before"], M.RL_LIFT_EM_FINAL: lift["after"]}
 
 
 def _rng_to_json(state) -> list:

@@ -237,3 +237,17 @@ def test_html_escapes_run_names(tmp_path):
     html = (tmp_path / "c.html").read_text()
     assert "<script>alert(1)</script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
     assert math.isclose(result["runs"][0]["metrics"]["em"]["mean"], 1.0)
+
+
+def test_paired_lift_hand_computed():
+    from keel.compare import paired_lift
+
+    before = {f"q{i}": {"em": float(v)} for i, v in enumerate([1, 0, 0, 0, 1, 0, 0, 0, 0, 0])}
+    after = {f"q{i}": {"em": float(v)} for i, v in enumerate([1, 1, 1, 1, 0, 1, 1, 1, 1, 0])}
+    after["extra"] = {"em": 1.0}  # only questions both evaluated count
+    lift = paired_lift(before, after)
+    assert (lift["gained"], lift["lost"], lift["n"]) == (7, 1, 10)
+    assert abs(lift["lift"] - 0.6) < 1e-12 and abs(lift["before"] - 0.2) < 1e-12 and abs(lift["after"] - 0.8) < 1e-12
+    assert lift["p_value"] == 18 / 256  # 2·P[X ≤ 1], X ~ Bin(8, ½)
+    many = paired_lift({str(i): {"em": 0.0} for i in range(40)}, {str(i): {"em": float(i < 30)} for i in range(40)})
+    assert many["gained"] == 30 and many["p_value"] == 2 / 2**30  # exact binomial, not chi-square, at 30 discordant pairs
