@@ -34,6 +34,7 @@ import torch
 
 from keel import cascade
 from keel.chat import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE, render_tool_responses, render_user_turn
+from keel.decode import LeanDecoder
 from keel.episode import process_turn
 from keel.logprobs import common_prefix_len
 from keel.types import Env, Source, Task, Trajectory
@@ -329,6 +330,7 @@ def rollout(
     steer: Callable[[int, int], list[int] | None] | None = None,
     groups: Sequence[int] | None = None,
     hint_position: str = "system",
+    lean: bool = True,
 ) -> list[Trajectory]:
     """Run one episode per task (repeat a task for a group) and return their trajectories.
 
@@ -337,6 +339,8 @@ def rollout(
     `generator`: one for the whole batch, or one per row; with one per row a row's samples depend
     only on its generator and the weights, not on which other rows share its batch (data-parallel
     ranks then sample what one process would, up to floating-point ties).
+    `lean`: decode steps run `keel.decode.LeanDecoder` (the same function as the model's forward,
+    with fewer and larger ops) when the model's layout allows; False: transformers' forward.
     """
     if isinstance(generator, (list, tuple)) and len(generator) != len(tasks):
         raise ValueError(f"rollout: {len(generator)} generators for {len(tasks)} rows")
@@ -356,6 +360,7 @@ def rollout(
     try:
         attention.enter_context(_cascade_attention(model, device.type == "cpu"))
         logits, cache, attn = _prefill(model, [r.ids for r in rows], device)
+        decoder = LeanDecoder.build(model) if lean else None  # after prefill: its weights are this rollout's
         prefill_s = time.perf_counter() - t0
         prefix = getattr(cache.layers[0], "prefix", None)
         prefix_cols = prefix[0].shape[-2] if prefix is not None else 0  # attn columns not in the rows' cache
@@ -398,7 +403,10 @@ def rollout(
                 if not any(gen):
                     break
                 attn = torch.cat([attn, col], dim=1)
-                logits, cache = _forward(model, feed, attn, positions, cache)
+                if decoder is not None:
+                    logits = decoder.step(feed, attn, positions, cache)
+                else:
+                    logits, cache = _forward(model, feed, attn, positions, cache)
                 for b, i in enumerate(live):
                     if col[b, 0]:
                         rows[i].n_valid += 1

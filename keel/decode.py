@@ -1,0 +1,130 @@
+"""A lean decode step for Llama-family models: one new token per row, on pre-laid-out weights.
+
+transformers' forward spends most of a CPU decode step outside its matrix multiplies: at batch
+16 in bf16, SmolLM2's 211 linear layers take ~30 ms per step, the whole forward ~70–80 ms
+(`bench/sampler_vs_generate.py` prints both). The rest is per-layer module dispatch, mask and
+rotary construction for every call, dtype round trips in RMSNorm, and seven GEMMs per layer
+where four do the same work. `LeanDecoder.step` computes the same function with
+- q, k and v projections as one GEMM, gate and up as one (weights concatenated once per rollout);
+- RMSNorm as one fused `torch.rms_norm` in fp32, cast back before the weight, as transformers does;
+- rotary cos/sin computed once per step for all layers, from the rows' positions;
+- the decode mask prepared once per step (`keel.cascade._rows_mask`) for all layers;
+- attention through keel.cascade's split attention when the cache holds a shared prefix, else
+  one SDPA call over the rows' own keys;
+- keys and values appended in place to the rollout's growing cache (`cache.layers[i].update`).
+
+It is used only for width-1 decode steps of `keel.rollout`; prefill and the tool-response blocks
+still run transformers' forward into the same cache. `tests/test_decode.py` checks the logits
+against transformers' forward on the same cache (fp32, with and without a shared prefix).
+Models it does not cover (biases, other rotary types, sliding windows, non-Llama layouts) get
+None from `LeanDecoder.build` and keep transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from keel import cascade
+
+
+class _Layer:
+    __slots__ = ("wqkv", "wo", "wgu", "wdown", "ln1", "ln2")
+
+    def __init__(self, layer):
+        a, m = layer.self_attn, layer.mlp
+        self.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+        self.wo = a.o_proj.weight.detach()
+        self.wgu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
+        self.wdown = m.down_proj.weight.detach()
+        self.ln1 = layer.input_layernorm.weight.detach()
+        self.ln2 = layer.post_attention_layernorm.weight.detach()
+
+
+class LeanDecoder:
+    """One decode step of a Llama-family causal LM over a keel.rollout KV cache (see module doc).
+
+    The concatenated weights are copies: build a new decoder after the weights change (the
+    rollout builds one per call, ~0.1 s for SmolLM2)."""
+
+    def __init__(self, model):
+        c = model.config
+        inner = model.model
+        self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
+        self.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        self.intermediate = c.intermediate_size
+        self.eps = c.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.embed = inner.embed_tokens.weight.detach()
+        self.norm = inner.norm.weight.detach()
+        self.lm_head = model.lm_head.weight.detach()
+        rotary = inner.rotary_emb
+        self.inv_freq = rotary.inv_freq.float()
+        self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        with torch.no_grad():
+            self.layers = [_Layer(layer) for layer in inner.layers]
+
+    @staticmethod
+    def build(model) -> "LeanDecoder | None":
+        """The decoder for `model`, or None when its layout is not the plain Llama one."""
+        c = getattr(model, "config", None)
+        if c is None or type(model).__name__ != "LlamaForCausalLM":
+            return None
+        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        if (getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False) or getattr(c, "hidden_act", "silu") != "silu"
+                or rope.get("rope_type", "default") != "default" or getattr(c, "pretraining_tp", 1) != 1):
+            return None
+        return LeanDecoder(model)
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale by the weight
+        return weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """tokens, positions [B, 1]; attn [B, P + L + 1] over [shared prefix ‖ own cached keys ‖
+        this token] (1 = visible); cache: the rollout's DynamicCache of growing layers, appended
+        in place. Returns the next-token logits [B, V] in fp32."""
+        B = tokens.shape[0]
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        h = F.embedding(tokens[:, 0], self.embed)  # [B, hidden]
+        dtype = h.dtype
+        freqs = positions[:, 0, None].float() * self.inv_freq  # [B, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(dtype)[:, None, :]  # [B, 1, D]
+        sin = (emb.sin() * self.rope_scaling).to(dtype)[:, None, :]
+        prefix = getattr(cache.layers[0], "prefix", None)
+        P = prefix[0].shape[-2] if prefix is not None else 0
+        own = attn[:, P:].bool()[:, None, None, :]  # [B, 1, 1, L+1]
+        if prefix is not None:
+            prepared = cascade._rows_mask(own, H // KV, dtype)
+        else:
+            sdpa_mask = own
+        q_end, k_end = H * D, H * D + KV * D
+        for i, w in enumerate(self.layers):
+            x = self._rms(h, w.ln1)
+            qkv = x @ w.wqkv.T  # [B, (H + 2·KV)·D]
+            q = qkv[:, :q_end].view(B, H, D)
+            k = qkv[:, q_end:k_end].view(B, KV, D)
+            v = qkv[:, k_end:].view(B, KV, D)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            layer = cache.layers[i]
+            keys, values = layer.update(k[:, :, None, :], v.contiguous()[:, :, None, :])  # [B, KV, L+1, D]
+            if prefix is not None:
+                pk, pv = layer.prefix
+                out = cascade.split_attention(q[:, :, None, :], pk, pv, keys, values, None, self.scale, prepared)
+            else:
+                out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=sdpa_mask, scale=self.scale,
+                                                     enable_gqa=True)
+            h = h + out.reshape(B, H * D) @ w.wo.T
+            x = self._rms(h, w.ln2)
+            gate, up = (x @ w.wgu.T).split(self.intermediate, dim=-1)
+            h = h + (F.silu(gate) * up) @ w.wdown.T
+        h = self._rms(h, self.norm)
+        return (h @ self.lm_head.T).float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -1,0 +1,56 @@
+"""keel.decode.LeanDecoder computes transformers' decode step: same logits on the same cache,
+so a rollout with it samples the same ids with the same log-probs (fp32)."""
+
+import torch
+
+import keel.rollout as engine
+from fakes import EchoEnv, make_tasks
+from keel.decode import LeanDecoder
+from keel.rollout import SamplingParams, rollout
+
+
+def _episodes(tiny, lean: bool, temperature: float = 1.0):
+    model, tok = tiny
+    call = tok.encode('<tool_call>\n{"name": "lookup", "arguments": {"x": "a"}}\n</tool_call><|im_end|>', add_special_tokens=False)
+
+    def steer(row, turn):  # rows make row % 3 calls, then sample freely: ragged multi-turn batches
+        return call if turn < row % 3 else None
+
+    params = SamplingParams(max_turns=4, max_new_tokens=24, temperature=temperature)
+    return rollout(model, tok, EchoEnv(lengths=(1, 7, 3, 12)), make_tasks(6), params,
+                   generator=torch.Generator().manual_seed(3), steer=steer, lean=lean)
+
+
+def _same(a, b):
+    assert [t.token_ids for t in a] == [t.token_ids for t in b]
+    diff = max(abs(x - y) for ta, tb in zip(a, b) for x, y in zip(ta.logprobs, tb.logprobs))
+    assert diff <= 1e-5, diff
+    assert sum(t.num_policy_tokens for t in a) > 60
+
+
+def test_lean_decode_equals_transformers_forward_with_shared_prefix(tiny):
+    assert engine.cascade.available()  # on CPU the prompts' shared prefix sits once per layer
+    _same(_episodes(tiny, lean=True), _episodes(tiny, lean=False))
+
+
+def test_lean_decode_equals_transformers_forward_with_repeated_prefix(tiny, monkeypatch):
+    shipped = engine._cascade_attention
+    monkeypatch.setattr(engine, "_cascade_attention", lambda model, enabled: shipped(model, False))
+    _same(_episodes(tiny, lean=True, temperature=0.7), _episodes(tiny, lean=False, temperature=0.7))
+
+
+def test_step_logits_match_a_full_forward(tiny):
+    """One decode step from a plain cache vs the model's logits at the last position of a full forward."""
+    model, tok = tiny
+    ids = torch.tensor([tok.encode("The quick brown fox jumps over", add_special_tokens=False)])
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[0, -1].float()
+        cache = engine._growing_cache()
+        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+        n = ids.shape[1]
+        logits = LeanDecoder.build(model).step(ids[:, -1:], torch.ones(1, n, dtype=torch.long), torch.tensor([[n - 1]]), cache)
+    assert (logits[0] - full).abs().max().item() <= 1e-4
+
+
+def test_other_layouts_keep_transformers_forward():
+    assert LeanDecoder.build(torch.nn.Linear(2, 2)) is None
