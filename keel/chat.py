@@ -165,11 +165,19 @@ def _parse_one(body: str) -> ToolCall:
 
 
 def extract_answer(text: str) -> str:
-    """The answer of a final turn, as paper B's reward code reads it: the text inside the last
-    <answer>…</answer>; without the tag, the text after the last </think>; else the whole text."""
-    found = _ANSWER_RE.findall(text)
-    if found:
-        return found[-1].strip()
+    """The answer of a final turn, as paper B's reward code reads it: when the text has both
+    tags, what follows the first <answer> up to the next </answer>; else the text after the
+    last </think>; else the whole text.
+
+    The first tag, not the last: a turn with several answers (a pollution state in
+    `keel.diagnostics.states`) is paid for its first, as in the paper's runs. Their code
+    applied this to the whole output; Keel applies it to the final turn (the one without a
+    call), so an <answer> written beside a call in an earlier turn is not the answer.
+    >>> extract_answer("<answer>Paris</answer> or <answer>Rome</answer>")
+    'Paris'
+    """
+    if "<answer>" in text and "</answer>" in text:
+        return text.split("<answer>", 1)[1].split("</answer>", 1)[0].strip()
     if "</think>" in text:
         return text.rsplit("</think>", 1)[1].strip()
     return text.strip()

@@ -11,20 +11,27 @@ function; adding a reward is adding one entry.
 Where Keel departs from the authors' released reward module (`PAPERS.md`, "How the authors'
 code computes the pieces"):
 - Steps are read from `traj.steps` (parsed calls with their observations), not re-parsed from
-  the flat output text; the answer is `traj.answer` (set by the rollout with
-  `keel.chat.extract_answer`, the same rule as theirs); an episode that never answered scores
-  as an empty answer.
+  the flat output text; the answer is `traj.answer`, set by the rollout with
+  `keel.chat.extract_answer`: their rule (the first `<answer>…</answer>`, else the text after
+  the last `</think>`), applied to the final turn rather than to the whole output; an episode
+  that never answered scores as an empty answer.
+- Rewards read what the tool returned (`Observation.result_text`), not what the model was
+  shown: the oracle-relations ablation appends a hint to the shown text, and "[]\nHint: …"
+  must still be an empty result, its entities the same as without the hint.
 - One empty-observation rule everywhere (blank, exactly `[]`, "No results found", or starting
   with "ERROR"). Their tool-verb weight did not treat "ERROR…" as empty; Keel does, so that
   the informative-error switch (L_sig) changes what the model reads but not what it is paid.
 - Keel's KG observations list entities as `"Name (m.id)"`: the trailing ` (m.id)` is stripped
   when returned entities are read, otherwise no entity could ever be a substring of an answer.
 - R-stepwise reads "observation words" as whitespace tokens with list punctuation (`[]"'(),`)
-  stripped, plus each whole returned entry (its name and its id). The authors' word split left
-  that punctuation attached (and, for coherence, split ids on "."), so a Freebase id printed
+  stripped, plus each whole returned entry (its name and its id). The authors' words were,
+  for on_path, whitespace tokens with that punctuation attached and, for progress and
+  coherence, the tokens of the normalised text (ids split on "."), so a Freebase id printed
   by Keel's env could never count as a word and chaining an id across turns could never earn
-  coherence.
-- The ≥2-distinct gate of R-selfV is a working gate (see `r_selfv_gated`).
+  coherence. `r_stepwise_released` is the rung with their words, to run rung 3 as the paper
+  ran it; its docstring gives the measured size of the difference.
+- The ≥2-distinct gate of R-selfV is a working gate (see `r_selfv_gated`), and counts calls
+  as the env executed them (`call_key`), not as the model spelled them.
 """
 
 from __future__ import annotations
@@ -113,10 +120,19 @@ def call_arguments(step: Step) -> set[str]:
     return out
 
 
+def call_key(step: Step) -> tuple[str, ...] | str:
+    """What makes two calls the same call: the call the env executed (`Observation.resolved`,
+    e.g. (verb, entity id, relation)), so that `m.1`, `" m.1"` and `"Name (m.1)"` are one call;
+    the raw (verb, arguments) signature only where the observation carries no resolution (a
+    trajectory saved before it existed, a call that never reached the backend)."""
+    resolved = step.observation.resolved
+    return tuple(resolved) if resolved is not None else step.call.signature()
+
+
 def distinct_nonempty_calls(steps: list[Step]) -> int:
-    """Number of distinct (verb, arguments) signatures among calls with a non-empty observation.
-    Re-issuing the same call does not count twice."""
-    return len({s.call.signature() for s in steps if not is_empty_observation(s.observation.text)})
+    """Number of distinct calls (`call_key`) among calls with a non-empty result. Re-issuing
+    the same call, in the same or another spelling, does not count twice."""
+    return len({call_key(s) for s in steps if not is_empty_observation(s.observation.result_text)})
 
 
 def answer_text(traj: Trajectory) -> str:
@@ -154,7 +170,7 @@ def r_binary_sr(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
 # --- rung 3: stepwise process reward -------------------------------------------------------------
 
 
-def stepwise_step_scores(traj: Trajectory, task: Task) -> list[dict[str, float]]:
+def stepwise_step_scores(traj: Trajectory, task: Task, released: bool = False) -> list[dict[str, float]]:
     """Per step: on_path, progress, coherence, valid (each in [0, 1]) and their weighted sum.
 
     - on_path: 1 if some gold triple (h, r, t) has both h and t (lowercased) as substrings of
@@ -167,6 +183,12 @@ def stepwise_step_scores(traj: Trajectory, task: Task) -> list[dict[str, float]]
       and observation words (for the first step: the topic entities' ids and names).
     - valid: 1 if the observation text is longer than 10 characters.
     Without gold triples on_path is 0 and progress falls back to answer matches only (theirs).
+
+    "Observation words" are Keel's (`observation_words`) by default. With `released`, they are
+    the authors': for on_path the lowercased whitespace tokens with punctuation attached, for
+    progress and coherence the tokens of the normalised text (every non-word character a
+    space, so `m.0abc` becomes `m`, `0abc`). The observation is the tool's own output
+    (`Observation.result_text`), never an oracle hint.
     """
     triples = [(str(h).lower(), str(t).lower()) for h, _r, t in task.gold_triples]
     path_entities = {e for pair in triples for e in pair}
@@ -174,23 +196,25 @@ def stepwise_step_scores(traj: Trajectory, task: Task) -> list[dict[str, float]]
     previous = {str(k).lower() for k in task.topic_entities} | {str(v).lower() for v in task.topic_entities.values()}
     scores = []
     for step in traj.steps:
-        text = step.observation.text or ""
+        text = step.observation.result_text or ""
         low = text.lower()
-        words = observation_words(text)
         args = call_arguments(step)
-        path_hits = len(path_entities & words)
+        if released:
+            path_words, words = set(low.split()), set(normalise(text).split())
+        else:
+            path_words = words = observation_words(text)
         on_path = 0.0
         if triples and text:
             if any(h in low and t in low for h, t in triples):
                 on_path = 1.0
-            elif path_hits:
+            elif path_hits := len(path_entities & path_words):
                 on_path = min(path_hits / len(path_entities), 0.5)
         progress = 0.0
         if answer_entities:
             if (args | words) & answer_entities:
                 progress = 1.0
             elif path_entities:
-                progress = min(path_hits / len(path_entities), 1.0)
+                progress = min(len(path_entities & words) / len(path_entities), 1.0)
         coherence = 1.0 if previous and args and (previous & args) else 0.0
         valid = 1.0 if len(text.strip()) > VALID_MIN_CHARS else 0.0
         parts = {"on_path": on_path, "progress": progress, "coherence": coherence, "valid": valid}
@@ -200,16 +224,50 @@ def stepwise_step_scores(traj: Trajectory, task: Task) -> list[dict[str, float]]
     return scores
 
 
-def r_stepwise(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
-    """Rung 3, R-stepwise: 0.3·r_out + 0.7·mean over steps of
-    (0.45·on_path + 0.30·progress + 0.15·coherence + 0.10·valid); the step mean is 0 without steps."""
+def _stepwise(traj: Trajectory, task: Task, released: bool) -> tuple[float, dict[str, float]]:
     out = outcome(traj, task)
-    scores = stepwise_step_scores(traj, task)
+    scores = stepwise_step_scores(traj, task, released)
     for k in ("on_path", "progress", "coherence", "valid"):
         out[k] = _mean([s[k] for s in scores])
     out["r_step"] = _mean([s["step"] for s in scores])
     total = 0.3 * out["r_out"] + 0.7 * out["r_step"]
     return total, out
+
+
+def r_stepwise(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
+    """Rung 3, R-stepwise: 0.3·r_out + 0.7·mean over steps of
+    (0.45·on_path + 0.30·progress + 0.15·coherence + 0.10·valid); the step mean is 0 without steps.
+
+    Keel's word rule (`observation_words`), under which an id shown by the env is a word; see
+    `r_stepwise_released` for the rule paper B ran and how far apart the two are."""
+    return _stepwise(traj, task, released=False)
+
+
+def r_stepwise_released(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
+    """Rung 3 as paper B ran it: `r_stepwise` with the authors' observation words
+    (`stepwise_step_scores(..., released=True)`).
+
+    Under it an id in Keel's `"Name (m.id)"` entries is never a word ('(m.id)"]' for on_path;
+    `m`, `id` for progress and coherence), so partial on_path never pays, progress pays only
+    for an answer whose name is one word (or an answer id passed as an argument), and carrying an id from one
+    observation into the next call never earns coherence.
+
+    Size of the departure, measured with `scripts/stepwise_rule_gap.py` (synthetic KG seed 0,
+    paper B's interface, episodes played through KGEnv and scored by both rules): Keel's rule
+    never scores an episode lower, and scores it higher in
+    - 310 of 400 episodes (77.5%) of a policy mixing gold, perturbed-gold and random calls, by
+      +0.132 total (+0.188 r_step) on those, at most +0.368 total;
+    - 184 of 400 (46.0%) of random calls only, by +0.042 total (+0.060 r_step), nearly all
+      through coherence (176 episodes; on_path and progress 14 each);
+    - 100 of 100 of the oracle's gold walks on dev, by +0.154 total: r_step 0.470 against
+      0.251. Under the released rule the gold path earns about what the ritual of rung 3 earns
+      (one relation call on the topic entity: 0.25 per step under both rules).
+
+    What is still Keel's here, as in every rung: steps come from `traj.steps` (parsed JSON
+    calls, their string arguments) rather than `name(a, b)` text, and the first step's
+    coherence reads the topic entities' ids and names.
+    """
+    return _stepwise(traj, task, released=True)
 
 
 # --- rung 4: tool-verb weights -------------------------------------------------------------------
@@ -218,7 +276,7 @@ def r_stepwise(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
 def tool_verb_score(steps: list[Step]) -> float:
     """mean over steps of w: 1.0 entity verb, 0.3 relation verb, 0 other verbs or an empty
     observation; 0 with no steps."""
-    return _mean([0.0 if is_empty_observation(s.observation.text) else VERB_WEIGHTS.get(s.call.name, 0.0) for s in steps])
+    return _mean([0.0 if is_empty_observation(s.observation.result_text) else VERB_WEIGHTS.get(s.call.name, 0.0) for s in steps])
 
 
 def r_toolverbs(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
@@ -241,7 +299,7 @@ def retrieval_contribution(steps: list[Step], answer: str) -> float:
         return 0.0
     productive = 0
     for s in steps:
-        if any((e := normalise(ent)) and e in norm_answer for ent in returned_entities(s.observation.text)):
+        if any((e := normalise(ent)) and e in norm_answer for ent in returned_entities(s.observation.result_text)):
             productive += 1
     return productive / len(steps)
 
@@ -272,7 +330,10 @@ def r_selfv(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
 
 def r_selfv_gated(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
     """R-selfV with r_retrv counted only when the episode made ≥2 distinct non-empty calls
-    (distinct = different (verb, arguments) signature, `ToolCall.signature`).
+    (distinct = a different call as the env executed it, `call_key`: (verb, resolved entity,
+    resolved relation), so that one call spelled `m.1` and `"Name (m.1)"` — quote and stop,
+    written twice — keeps the gate shut; the raw (verb, arguments) signature only for
+    observations that carry no resolution, e.g. trajectories saved before Keel recorded it).
 
     This is the gate *as described* in paper B. The released gate was degenerate: it read
     signature fields that its step parser never filled, so every signature was equal, the gate
@@ -331,6 +392,7 @@ REWARDS: dict[str, RewardFn] = {
     "r_binary": r_binary,
     "r_binary_sr": r_binary_sr,
     "r_stepwise": r_stepwise,
+    "r_stepwise_released": r_stepwise_released,
     "r_toolverbs": r_toolverbs,
     "r_selfv": r_selfv,
     "r_selfv_gated": r_selfv_gated,

@@ -96,12 +96,27 @@ class ToolCall:
 class Observation:
     """What a tool returned. `text` is what the model sees. `ok` is False for a malformed call
     or a failed query; `error` is the machine-readable reason (`bad_json`, `unknown_tool`,
-    `bad_arguments`, `unknown_entity`, `no_result`, ...) whether or not the text shows it."""
+    `bad_arguments`, `unknown_entity`, `no_result`, ...) whether or not the text shows it.
+
+    Rewards and metrics read `result_text` (the tool's own output), never `text`: an env may
+    show the model more than the tool returned (the KG oracle ablation appends a hint), and a
+    hint must not make a failed call look non-empty. `resolved` is the call as the env
+    executed it, after resolving how the model spelled it (KG: (verb, entity id, relation),
+    relation "" for the relation verbs), so that one call written two ways counts once.
+    Both are None in trajectories saved before they existed, and where an env sets neither.
+    """
 
     text: str
     ok: bool = True
     error: str | None = None
     items: list[str] | None = None  # structured result (e.g. the returned ids), when there is one
+    result: str | None = None  # the tool's own output when `text` adds to it; None: `text` is the output
+    resolved: tuple[str, ...] | None = None  # the executed call; None when it never reached the backend
+
+    @property
+    def result_text(self) -> str:
+        """The tool's own output, without what the env added for the model only."""
+        return self.text if self.result is None else self.result
 
 
 @dataclass
@@ -171,6 +186,8 @@ class Trajectory:
                         "ok": s.observation.ok,
                         "error": s.observation.error,
                         "items": s.observation.items,
+                        "result": s.observation.result,
+                        "resolved": list(s.observation.resolved) if s.observation.resolved is not None else None,
                     },
                 }
                 for s in self.steps
@@ -190,7 +207,7 @@ class Trajectory:
             Step(
                 turn=s["turn"],
                 call=ToolCall(**s["call"]),
-                observation=Observation(**s["observation"]),
+                observation=_observation(s["observation"]),
             )
             for s in d.get("steps", [])
         ]
@@ -210,6 +227,14 @@ class Trajectory:
             reward_components=d.get("reward_components", {}),
             info=d.get("info", {}),
         )
+
+
+def _observation(d: dict[str, Any]) -> Observation:
+    """An Observation from its dict; JSON has no tuples, so `resolved` comes back as a list."""
+    d = dict(d)
+    if d.get("resolved") is not None:
+        d["resolved"] = tuple(d["resolved"])
+    return Observation(**d)
 
 
 class Episode(Protocol):

@@ -99,3 +99,17 @@ def test_decompose_shares():
     assert out["retrieval_shares"] == pytest.approx({"relation_selection": 0.4, "composition": 0.4, "answer_extraction": 0.2})
     with pytest.raises(ValueError, match="no task"):
         decompose_errors([traj([], "x", "missing")], [TASK], STORE)
+
+
+def test_calls_are_read_as_the_env_executed_them():
+    # "Michelle Obama (m.s)" is m.s to the env: the model stood at the hop-1 entity and chose the
+    # wrong relation (read from the raw argument, it would look like it never carried m.s over).
+    from keel.kg.env import KGEnv
+
+    episode = KGEnv(STORE).start(TASK)
+    steps = [Step(0, ToolCall(v, a), episode.execute(ToolCall(v, a))) for v, a in (
+        ("get_tail_entities", {"entity": "m.x", "relation": SPOUSE}),
+        ("get_tail_entities", {"entity": "Michelle Obama (m.s)", "relation": SCHOOL}),
+    )]
+    record = classify_failure(traj(steps, "Princeton"), TASK, STORE)
+    assert (record["category"], record["hop"]) == ("relation_selection", 1)

@@ -11,6 +11,7 @@ from keel.chat import parse_tool_calls
 from keel.episode import process_turn
 from keel.kg.env import KGEnv, KGEnvConfig, opaque_relation_name, split_display
 from keel.kg.store import MemoryStore
+from keel.rewards import is_empty_observation
 from keel.types import Observation, Task, ToolCall
 
 TRIPLES = [
@@ -169,6 +170,28 @@ def test_oracle_relation_hints_follow_the_gold_path():
     assert first.text == '["Bob Vance (m.bob)"]\nHint: next use get_tail_entities with people.person.place_of_birth.'
     last = ep.execute(ToolCall("get_tail_entities", {"entity": "m.bob", "relation": "people.person.place_of_birth"}))
     assert last.text == '["Paris (m.paris)"]'  # the path is done: no more hints
+    # What rewards read is the tool's own output, without the hint.
+    assert (wrong.result, first.result, last.result) == ('["film.film.directed_by", "film.film.starring"]', '["Bob Vance (m.bob)"]', None)
+    assert last.result_text == last.text
+    failed = env.start(TASK).execute(ToolCall("get_tail_entities", {"entity": "m.nope", "relation": "film.film.directed_by"}))
+    assert (failed.text, failed.result, failed.result_text) == ("[]\nHint: next use get_tail_entities with film.film.directed_by.", "[]", "[]")
+    assert run(entity="m.film", relation="film.film.directed_by").result is None  # no ablation, nothing added
+
+
+def test_observations_record_the_call_as_executed():
+    directed = ("get_tail_entities", "m.film", "film.film.directed_by")
+    assert run(entity="m.film", relation="film.film.directed_by").resolved == directed
+    assert run(entity=" m.film ", relation=" film.film.directed_by ").resolved == directed
+    assert run(entity="Heat (m.film)", relation="film.film.directed_by").resolved == directed
+    assert run(KGEnvConfig(accept_names=True), entity="Heat", relation="film.film.directed_by").resolved == directed
+    assert run(name="get_tail_relations", entity="Bob Vance (m.bob)").resolved == ("get_tail_relations", "m.bob", "")
+    env = KGEnv(STORE, KGEnvConfig(rename_schema=True))
+    shown = env.show_relation("film.film.directed_by")
+    assert env.start(TASK).execute(ToolCall("get_tail_entities", {"entity": "m.film", "relation": shown})).resolved == directed  # the store's name
+    # Executed and found nothing: resolved; never executed: None.
+    assert run(entity="m.paris", relation="film.film.directed_by").resolved == ("get_tail_entities", "m.paris", "film.film.directed_by")
+    assert run(entity="m.nope", relation="film.film.directed_by").resolved is None
+    assert run(entity="m.film", relation="film.film.nope").resolved is None
 
 
 def test_bad_config_is_refused():
@@ -226,6 +249,7 @@ def test_fuzz_tool_calls_never_raise(config, name, arguments, error):
     assert obs.error != "backend_error"  # the env's own catch-all must never be what saved it
     if not obs.ok:
         assert obs.error
+        assert is_empty_observation(obs.result_text)  # whatever the switches, a failure is empty to the rewards
         first_line = obs.text.split("\n")[0]
         assert first_line == "[]" or (config.informative_errors and first_line.startswith("ERROR: ") and len(first_line) < 300)
     else:

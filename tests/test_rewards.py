@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from keel.chat import extract_answer
+from keel.diagnostics.classify import is_quote_and_stop
+from keel.diagnostics.episode_metrics import episode_record
+from keel.kg.env import KGEnv, KGEnvConfig
+from keel.kg.store import MemoryStore
 from keel.rewards import (
     REWARDS,
+    distinct_nonempty_calls,
     fc_binary,
     fc_tag_balance,
     is_empty_observation,
@@ -85,7 +93,7 @@ def test_r_binary_alias_and_f1():
 def test_empty_answer_scores_zero_everywhere():
     empty = traj([], "", ["<answer></answer>"])
     never = traj([], None, ["<think>hmm"])
-    for name in ("r_binary", "r_binary_sr", "r_stepwise", "r_toolverbs", "r_selfv", "r_selfv_gated", "r_selfv_no_retrv"):
+    for name in ("r_binary", "r_binary_sr", "r_stepwise", "r_stepwise_released", "r_toolverbs", "r_selfv", "r_selfv_gated", "r_selfv_no_retrv"):
         assert REWARDS[name](empty, TASK)[0] == 0.0, name
         assert REWARDS[name](never, TASK)[0] == 0.0, name
     # With a successful call but an empty answer, r_retrv is 0 (empty answer) and only r_tool pays.
@@ -184,3 +192,115 @@ def test_contract_every_reward_returns_float_and_components():
         t = traj(GOLD_PATH.steps, "Honolulu", ["x"], checker_valid=True)
         total, comps = fn(t, TASK)
         assert isinstance(total, float) and all(isinstance(v, float) for v in comps.values()), name
+
+
+# --- what the env resolved, and what the model was shown (issue 13) -------------------------------
+
+KG = MemoryStore.from_triples([("m.x", SPOUSE, "m.s"), ("m.s", BIRTH, "m.hon")], {"m.x": "X Person", "m.s": "Michelle Obama", "m.hon": "Honolulu"})
+KG_TASK = Task(
+    id="q1", question=TASK.question, answers=TASK.answers, aliases=TASK.aliases, answer_ids=TASK.answer_ids,
+    topic_entities=TASK.topic_entities, gold_triples=TASK.gold_triples,
+    gold_turns=[[{"name": "get_tail_entities", "arguments": SPOUSE_CALL}], [{"name": "get_tail_entities", "arguments": {"entity": "m.s", "relation": BIRTH}}]],
+)
+
+
+def env_steps(config: KGEnvConfig, *calls: tuple[str, dict]) -> list[Step]:
+    """The calls executed in turn order by one episode of the real KG env."""
+    episode = KGEnv(KG, config).start(KG_TASK)
+    return [Step(turn=i, call=ToolCall(name=verb, arguments=args), observation=episode.execute(ToolCall(name=verb, arguments=args))) for i, (verb, args) in enumerate(calls)]
+
+
+def test_one_call_in_several_spellings_does_not_open_the_gate():
+    # "m.x", " m.x" and "X Person (m.x)" are one entity to the env, " people.person.spouse_s " one relation:
+    # three spellings of the quote-and-stop call.
+    spellings = [SPOUSE_CALL, {"entity": " m.x", "relation": SPOUSE}, {"entity": "X Person (m.x)", "relation": f" {SPOUSE} "}]
+    steps = env_steps(KGEnvConfig(), *[("get_tail_entities", a) for a in spellings])
+    assert len({s.call.signature() for s in steps}) == 3  # three raw signatures...
+    quote = traj(steps, "Michelle Obama")
+    total, c = r_selfv_gated(quote, KG_TASK)
+    # ...one resolved call: the gate stays shut. r_tool 1, r_retrv_raw 3/3 = 1 but unpaid, r_out 0 → 0.5.
+    assert (c["distinct_nonempty"], c["gate_open"], c["r_retrv_raw"]) == (1.0, 0.0, 1.0)
+    assert total == pytest.approx(0.5)
+    assert episode_record(quote, KG_TASK)["distinct_nonempty"] == 1
+    assert [s.observation.resolved for s in steps] == [("get_tail_entities", "m.x", SPOUSE)] * 3
+    # Names accepted (readable ids): "X Person" is the same call too.
+    named = env_steps(KGEnvConfig(readable_ids=True), ("get_tail_entities", {"entity": "X Person", "relation": SPOUSE}), ("get_tail_entities", SPOUSE_CALL))
+    assert distinct_nonempty_calls(named) == 1
+    # Two different calls still open it: the gold path, r_out 1, r_tool 1, r_retrv 1/2 → 0.25 + 0.5 + 0.125.
+    gold = env_steps(KGEnvConfig(), ("get_tail_entities", SPOUSE_CALL), ("get_tail_entities", {"entity": "Michelle Obama (m.s)", "relation": BIRTH}))
+    total, c = r_selfv_gated(traj(gold, "Honolulu"), KG_TASK)
+    assert (c["distinct_nonempty"], c["gate_open"]) == (2.0, 1.0) and total == pytest.approx(0.875)
+
+
+def test_saved_trajectories_keep_and_lack_resolution():
+    steps = env_steps(KGEnvConfig(), ("get_tail_entities", SPOUSE_CALL), ("get_tail_entities", {"entity": " m.x", "relation": SPOUSE}))
+    saved = json.loads(json.dumps(traj(steps, "Michelle Obama").to_dict()))
+    back = Trajectory.from_dict(saved)
+    assert [s.observation.resolved for s in back.steps] == [("get_tail_entities", "m.x", SPOUSE)] * 2  # a tuple again, not a list
+    assert distinct_nonempty_calls(back.steps) == 1
+    # A file written before observations carried a resolution: it loads, and only the raw
+    # arguments are there to count (two spellings → 2, the old behaviour).
+    for s in saved["steps"]:
+        for key in ("resolved", "result"):
+            s["observation"].pop(key, None)
+    old = Trajectory.from_dict(saved)
+    assert [s.observation.resolved for s in old.steps] == [None, None]
+    assert distinct_nonempty_calls(old.steps) == 2
+
+
+def test_oracle_hint_is_not_what_rewards_read():
+    failed = ("get_tail_entities", {"entity": "m.nope", "relation": SPOUSE})
+    calls = (failed, ("get_tail_entities", SPOUSE_CALL), ("get_tail_entities", {"entity": "m.s", "relation": BIRTH}))
+    hinted = env_steps(KGEnvConfig(oracle_relations=True), *calls)
+    plain = env_steps(KGEnvConfig(), *calls)
+    assert hinted[0].observation.text == f"[]\nHint: next use get_tail_entities with {SPOUSE}."  # the model still sees the hint
+    assert hinted[1].observation.text == f'["Michelle Obama (m.s)"]\nHint: next use get_tail_entities with {BIRTH}.'
+    # The failed call, then the quote: by hand, as without the hint, the failed call is empty
+    # (weight 0, not productive, not counted by the gate).
+    quote = traj(hinted[:2], "Michelle Obama")
+    assert r_toolverbs(quote, KG_TASK)[1]["r_tool"] == pytest.approx(0.5)  # (0 + 1)/2
+    total, c = r_selfv_gated(quote, KG_TASK)
+    assert (c["r_tool"], c["r_retrv_raw"], c["distinct_nonempty"], c["gate_open"]) == (0.5, 0.5, 1.0, 0.0)
+    assert total == pytest.approx(0.25)  # 0.5·0.5; the failed call neither pays nor opens the gate
+    for answer in ("Michelle Obama", "Honolulu"):
+        for name in ("r_stepwise", "r_stepwise_released", "r_toolverbs", "r_selfv", "r_selfv_gated", "r_selfv_no_retrv"):
+            assert REWARDS[name](traj(hinted, answer), KG_TASK) == REWARDS[name](traj(plain, answer), KG_TASK), (name, answer)
+    rec_h, rec_p = episode_record(traj(hinted, "Honolulu", ["<answer>Honolulu</answer>"]), KG_TASK), episode_record(traj(plain, "Honolulu", ["<answer>Honolulu</answer>"]), KG_TASK)
+    assert (rec_h["empty_results"], rec_h["distinct_nonempty"], rec_h["cvt"]) == (1, 2, 1.0) and rec_h == rec_p
+    assert is_quote_and_stop(traj(hinted[1:2], "Michelle Obama"))
+    # The tool's own result, entity by entity, is the same with the ablation on and off.
+    assert [s.observation.result_text for s in hinted] == [s.observation.text for s in plain]
+    assert [returned_entities(s.observation.result_text) for s in hinted] == [[], ["Michelle Obama"], ["Honolulu"]]
+    assert is_empty_observation(hinted[0].observation.result_text) and not is_empty_observation(hinted[0].observation.text)
+
+
+# --- R-stepwise as released ------------------------------------------------------------------------
+
+
+def test_stepwise_released_rule_by_hand():
+    released = REWARDS["r_stepwise_released"]
+    # Gold-path entities {m.x, m.s, m.hon}; answer entities {m.hon, honolulu, honolulu, hawaii}.
+    # Step 1 '["Michelle Obama (m.s)"]': no triple has both ends in the text; its whitespace words
+    # '["michelle', 'obama', '(m.s)"]' hold no path id → on_path 0; normalised words {michelle, obama,
+    # m, s} hold no answer and no path id → progress 0; args share m.x with the topic → coherence 1;
+    # valid 1 → 0.25.
+    # Step 2 '["Honolulu (m.hon)"]': on_path 0 as before; normalised words hold "honolulu" → progress 1;
+    # the previous words were split on "." ({m, s}), so the argument m.s is not among them → coherence 0;
+    # valid 1 → 0.40.
+    total, c = released(GOLD_PATH, TASK)
+    assert (c["on_path"], c["progress"], c["coherence"], c["valid"]) == pytest.approx((0, 0.5, 0.5, 1))
+    assert c["r_step"] == pytest.approx((0.25 + 0.40) / 2)  # 0.325, Keel's rule: 0.6
+    assert total == pytest.approx(0.3 * 1.0 + 0.7 * 0.325)  # 0.5275
+    # Both ends of a gold triple in the text: on_path 1 under both rules.
+    both = traj([step("get_head_entities", '["X Person (m.x)", "Michelle Obama (m.s)"]', entity="m.s", relation=SPOUSE)], "")
+    assert released(both, TASK)[1]["on_path"] == 1.0
+    # The ritual scores the same under both rules: 0.25 per step.
+    assert released(RITUAL, TASK) == r_stepwise(RITUAL, TASK)
+    assert released(traj([], "Honolulu"), TASK)[0] == pytest.approx(0.3)
+
+
+def test_answer_is_the_first_answer_tag():
+    # The released reader: the first <answer>…</answer>; else the text after the last </think>; else all.
+    assert extract_answer("<answer>Paris</answer> no, <answer>Rome</answer>") == "Paris"
+    assert extract_answer("<think>a</think><think>b</think> Rome ") == "Rome"
+    assert extract_answer(" Rome ") == "Rome"

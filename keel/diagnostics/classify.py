@@ -156,7 +156,7 @@ def _snippet(traj: Trajectory, limit: int = 160) -> str:
 def is_quote_and_stop(traj: Trajectory) -> bool:
     """Paper B's mode-4 policy: one call, and the answer is its first returned entity."""
     answer = normalise(traj.answer or "")
-    first = returned_entities(traj.steps[0].observation.text)[:1] if len(traj.steps) == 1 else []
+    first = returned_entities(traj.steps[0].observation.result_text)[:1] if len(traj.steps) == 1 else []
     return bool(answer) and bool(first) and normalise(first[0]) == answer
 
 
@@ -177,7 +177,7 @@ def _sample_facts(trajs: list[Trajectory]) -> dict[str, Any]:
         "quote_and_stop_share": len(quote) / len(trajs),
         "drift_share": shares.get(COLLAPSE_FORMAT_DRIFT, 0.0),
         "broken_share": shares.get(COLLAPSE_TEXT_POLLUTION, 0.0) + shares.get(COLLAPSE_FULL, 0.0),
-        "empty_result_share": (sum(is_empty_observation(s.observation.text) for t in trajs for s in t.steps) / max(1, sum(len(t.steps) for t in trajs))),
+        "empty_result_share": (sum(is_empty_observation(s.observation.result_text) for t in trajs for s in t.steps) / max(1, sum(len(t.steps) for t in trajs))),
     }
 
 

@@ -4,7 +4,9 @@ Paper B judges a run by EM, tools/question, CvT (correct *via* a tool: the answe
 appears in some tool output) and tool lift (pass@k with tools − pass@k with tools disabled);
 a ritual shows tools/question > 0 with CvT ≈ 0 and lift ≈ 0. Keel departs in reading
 "appears verbatim" as a whole-word match of the normalised answer inside the normalised
-observation text, so that "paris" does not count as found in "parisian".
+observation text, so that "paris" does not count as found in "parisian". Every fact here
+reads the tool's own output (`Observation.result_text`, without an oracle hint) and counts
+distinct calls as the env executed them (`keel.rewards.call_key`), as the rewards do.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def answer_in_tool_output(answer: str | None, steps: list[Step]) -> bool:
     a = normalise(answer or "")
     if not a:
         return False
-    return any(f" {a} " in f" {normalise(s.observation.text)} " for s in steps if not is_empty_observation(s.observation.text))
+    return any(f" {a} " in f" {normalise(s.observation.result_text)} " for s in steps if not is_empty_observation(s.observation.result_text))
 
 
 def episode_record(traj: Trajectory, task: Task) -> dict[str, Any]:
@@ -73,7 +75,7 @@ def episode_record(traj: Trajectory, task: Task) -> dict[str, Any]:
         "cvt": float(out["em"] == 1.0 and answer_in_tool_output(traj.answer, traj.steps)),
         "tools": len(traj.steps),
         "valid_calls": sum(is_valid_call(s) for s in traj.steps),
-        "empty_results": sum(is_empty_observation(s.observation.text) for s in traj.steps),
+        "empty_results": sum(is_empty_observation(s.observation.result_text) for s in traj.steps),
         "distinct_nonempty": distinct_nonempty_calls(traj.steps),
         "verbs": dict(Counter(s.call.name or "<unparsed>" for s in traj.steps)),
         "errors": dict(errors),

@@ -28,8 +28,10 @@ A *failed* episode has EM 0. It gets exactly one category, tested in this order:
    If every hop is completed and still no observation showed the answer, the category is
    `answer_extraction` (the last hop's output reached the answer set under another name).
 
-Entities in call arguments are matched as ids, or as names through `store.name` (for runs where
-the env shows names instead of ids). Shares are over failed episodes; the retrieval-dependent
+Calls are read as the env executed them (`Observation.resolved`: entity id and store relation,
+whatever the spelling) where the observation records it; otherwise entities in call arguments
+are matched as ids, or as names through `store.name` (for runs where the env shows names
+instead of ids). Shares are over failed episodes; the retrieval-dependent
 shares are over `relation_selection + composition + answer_extraction`.
 """
 
@@ -48,8 +50,12 @@ RETRIEVAL_DEPENDENT = ("relation_selection", "composition", "answer_extraction")
 
 
 def _call_entity_relation(step: Step) -> tuple[str, str]:
-    """(entity, relation) arguments of a KG call: the `entity`/`relation` keys, else the first and
-    second string arguments."""
+    """(entity, relation) of a KG call: as the env executed it (`Observation.resolved`, so that
+    "Name (m.id)" is m.id and a renamed relation is the store's), else the `entity`/`relation`
+    arguments, else the first and second string arguments."""
+    resolved = step.observation.resolved
+    if resolved is not None and len(resolved) == 3:
+        return resolved[1], resolved[2]
     args = step.call.arguments
     strings = [v for v in args.values() if isinstance(v, str)]
     entity = args.get("entity") if isinstance(args.get("entity"), str) else (strings[0] if strings else "")
@@ -69,7 +75,7 @@ def _answer_seen(task: Task, steps: list[Step], store: KGStore) -> bool:
     names = {normalise(a) for a in list(task.answers) + list(task.aliases) if a}
     names |= {normalise(n) for i in ids if (n := store.name(i))}
     for s in steps:
-        text = s.observation.text
+        text = s.observation.result_text
         if is_empty_observation(text):
             continue
         if any(i in text for i in ids):
@@ -89,7 +95,7 @@ def classify_failure(traj: Trajectory, task: Task, store: KGStore) -> dict[str, 
         return {**record, "category": "format", "detail": "no final answer"}
     if steps and all(s.call.error is not None for s in steps):
         return {**record, "category": "format", "detail": f"none of {len(steps)} calls parsed"}
-    productive = [s for s in steps if s.call.error is None and not is_empty_observation(s.observation.text)]
+    productive = [s for s in steps if s.call.error is None and not is_empty_observation(s.observation.result_text)]
     if not productive:
         return {**record, "category": "no_retrieval", "detail": f"{len(steps)} calls, none returned anything"}
     hops = list(task.gold_triples)

@@ -11,6 +11,11 @@ lists are capped at `max_items` (paper B's endpoint returned everything); by def
 prompt lists the graph's relations (`list_relations`), which paper B does not, so that a 135M
 model can learn the task on CPU; `oracle_relations` also hints the first hop in the user
 message, since "every step" in paper B includes the first.
+
+What rewards read: each observation records the call as executed (`Observation.resolved`:
+verb, entity id, relation, after resolving how the model spelled them), and, when the oracle
+hint is appended to what the model sees, the tool's own output apart (`Observation.result`),
+so that a hint never turns a failed call into a non-empty one.
 """
 
 from __future__ import annotations
@@ -229,6 +234,9 @@ class KGEpisode:
                 self._advance(call)
             hint = _hint(self.env, self.task, self.progress)
             if hint:
+                # The hint is for the model only: rewards read `result`, so that "[]\nHint: …"
+                # still counts as an empty result and returned entities parse as without it.
+                obs.result = obs.text
                 obs.text += "\n" + hint
         return obs
 
@@ -250,35 +258,39 @@ class KGEpisode:
         if entity is None:
             return self._fail("unknown_entity", f"unknown entity {_echo(args['entity'])}")
         store = self.env.store
+        # `executed` is the call in the store's terms: "m.x", " m.x" and "Name (m.x)" are one
+        # call, and the R-selfV gate counts distinct calls by it, not by their spelling.
         if verb in RELATION_VERBS:
+            executed = (verb, entity, "")
             found = store.tail_relations(entity) if verb == "get_tail_relations" else store.head_relations(entity)
             if not found:
-                return self._fail("no_result", f"{verb}: no relations for {_echo(args['entity'])}")
+                return self._fail("no_result", f"{verb}: no relations for {_echo(args['entity'])}", executed)
             shown = [self.env.show_relation(r) for r in found]
             if self.env.config.rename_schema:
                 shown.sort()  # in the original order, the order would hint which opaque name is which
-            return self._list(shown, shown)
+            return self._list(shown, shown, executed)
         relation = self._resolve_relation(args["relation"])
         if relation is None:
             return self._fail("unknown_relation", f"unknown relation {_echo(args['relation'])}")
+        executed = (verb, entity, relation)
         found = store.tail_entities(entity, relation) if verb == "get_tail_entities" else store.head_entities(entity, relation)
         if not found:
-            return self._fail("no_result", f"{verb}: nothing matches ({_echo(args['entity'])}, {_echo(args['relation'])})")
+            return self._fail("no_result", f"{verb}: nothing matches ({_echo(args['entity'])}, {_echo(args['relation'])})", executed)
         names = [store.name(e) for e in found]
         shown = [self.env.display(e, n) for e, n in zip(found, names)]
         items = [n or e for e, n in zip(found, names)]
-        return self._list(shown, items)
+        return self._list(shown, items, executed)
 
-    def _list(self, shown: list[str], items: list[str]) -> Observation:
+    def _list(self, shown: list[str], items: list[str], executed: tuple[str, str, str]) -> Observation:
         cap = self.env.config.max_items
         text = json.dumps(shown[:cap], ensure_ascii=False)
         if len(shown) > cap:
             text += f" ({len(shown) - cap} more not shown)"
-        return Observation(text=text, ok=True, error=None, items=items[:cap])
+        return Observation(text=text, ok=True, error=None, items=items[:cap], resolved=executed)
 
-    def _fail(self, kind: str, message: str) -> Observation:
+    def _fail(self, kind: str, message: str, executed: tuple[str, str, str] | None = None) -> Observation:
         text = f"ERROR: {message}" if self.env.config.informative_errors else "[]"
-        return Observation(text=text, ok=False, error=kind, items=[])
+        return Observation(text=text, ok=False, error=kind, items=[], resolved=executed)
 
     def _resolve_entity(self, text: str) -> str | None:
         c = self.env.config

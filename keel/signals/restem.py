@@ -41,7 +41,7 @@ def why_rejected(traj: Trajectory, task: Task) -> str | None:
     record = episode_record(traj, task)
     if record["em"] != 1.0:
         return "not_correct"
-    if not any(is_valid_call(s) and not is_empty_observation(s.observation.text) for s in traj.steps):
+    if not any(is_valid_call(s) and not is_empty_observation(s.observation.result_text) for s in traj.steps):
         return "no_successful_call"
     if record["format_valid"] != 1.0:
         return "invalid_format"
