@@ -52,6 +52,7 @@ class DataConfig:
     n_test: int = doc(200, "synthetic: test questions")
     max_calls_per_turn: int = doc(6, "synthetic: skip questions whose gold needs more parallel calls in one turn (shorter trajectories on CPU)")
     kinds: list[str] = doc([], "synthetic: question kinds to generate, a subset of composition, conjunction, comparative, superlative (empty: all four)")
+    max_hops: int = doc(0, "synthetic: skip questions whose gold needs more tool turns (hops) than this; 0: no limit")
     dir: str = doc("", "source=dir: a dataset directory with kb.tsv and train/dev/test.jsonl (from `keel data kg-synth`)")
     kb: str = doc("", "source=files: triples file (TSV head\\trelation\\ttail or |-separated, .gz ok)")
     train: str = doc("", "source=files: training questions (Keel JSONL, CWQ, PathQuestion, MetaQA)")
@@ -344,6 +345,7 @@ def validate(cfg: Config) -> None:
         (cfg.data.source in ("synthetic", "files", "dir"), f"data.source must be synthetic, files or dir, got {cfg.data.source!r}"),
         (set(cfg.data.kinds) <= {"composition", "conjunction", "comparative", "superlative"},
          f"data.kinds must be a subset of composition, conjunction, comparative, superlative, got {cfg.data.kinds!r}"),
+        (cfg.data.max_hops >= 0, "data.max_hops must be ≥ 0 (0: no limit)"),
         (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),
         (cfg.eval.every >= 1, "eval.every must be ≥ 1"),
         (cfg.grpo.micro_batch_size >= 1, "grpo.micro_batch_size must be ≥ 1"),

@@ -55,7 +55,7 @@ def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], li
         # is written last, so a directory without it is a torn write and is regenerated)
         if not (target / "meta.json").exists():
             generate(target, seed=d.seed, train=d.n_train, dev=d.n_dev, test=d.n_test, overwrite=True,
-                     config=SynthConfig(max_calls_per_turn=d.max_calls_per_turn, **({"kinds": tuple(d.kinds)} if d.kinds else {})))
+                     config=SynthConfig(max_calls_per_turn=d.max_calls_per_turn, max_hops=d.max_hops, **({"kinds": tuple(d.kinds)} if d.kinds else {})))
         data_dir = target
     elif d.source == "dir":
         data_dir = _need(d.dir, "data.dir")

@@ -154,3 +154,11 @@ def test_kinds_subset_is_the_same_graph_and_questions_of_those_kinds():
     assert full_composition and full_composition <= {t.question for t in asked}
     with pytest.raises(ValueError, match="question kinds"):
         synth.generate_splits(seed=0, train=8, dev=1, test=1, config=synth.SynthConfig(kinds=("composition", "trivia")))
+
+
+def test_max_hops_keeps_only_short_questions():
+    _, splits = synth.generate_splits(seed=0, train=60, dev=5, test=5, config=synth.SynthConfig(kinds=("composition",), max_hops=2))
+    asked = [t for split in splits.values() for t in split]
+    assert all(len(t.gold_turns) <= 2 for t in asked)
+    templates = {t.meta["template"] for t in asked}
+    assert "spouse" in templates and not templates & {"spouse_birthplace", "birth_country_capital"}  # the 3-hop chains are gone

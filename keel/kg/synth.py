@@ -79,6 +79,8 @@ class SynthConfig:
     """Questions needing more parallel calls in one turn are not generated (short trajectories)."""
     kinds: tuple[str, ...] = KINDS
     """Question kinds generated (CWQ's four); a subset gives a simpler slice of the same graph and interface."""
+    max_hops: int = 0
+    """Questions whose gold needs more tool turns (hops) than this are not generated; 0: no limit."""
 
 
 # --- the graph ------------------------------------------------------------------------------
@@ -304,12 +306,13 @@ def _candidates(kg: SynthKG, rng: random.Random) -> dict[str, list[tuple[str, st
     return out
 
 
-def _make_task(kg: SynthKG, kind: str, template: str, question: str, plan: dict[str, Any], topics: dict[str, str], max_calls: int) -> Task | None:
+def _make_task(kg: SynthKG, kind: str, template: str, question: str, plan: dict[str, Any], topics: dict[str, str], max_calls: int,
+               max_hops: int = 0) -> Task | None:
     """The task with answers and gold turns from executing the plan; None when the question is
     unfit (no answer, a tie for a superlative, too many calls in a turn, the filter not filtering)."""
     s = kg.store
     turns, answer_ids, triples = run_plan(plan, s)
-    if not answer_ids or any(len(t) > max_calls for t in turns):
+    if not answer_ids or any(len(t) > max_calls for t in turns) or (max_hops and len(turns) > max_hops):
         return None
     filt = plan.get("filter")
     if filt:
@@ -337,7 +340,7 @@ def _make_task(kg: SynthKG, kind: str, template: str, question: str, plan: dict[
     )
 
 
-def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: tuple[str, ...] = KINDS) -> list[Task]:
+def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: tuple[str, ...] = KINDS, max_hops: int = 0) -> list[Task]:
     """Up to `total` distinct questions, kinds in turn (composition, conjunction, comparative,
     superlative, or the subset `kinds`) and templates in turn within a kind, so every kind is
     about equally common. The candidate pools are drawn for every kind whatever `kinds` is, so a
@@ -369,7 +372,7 @@ def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: t
                 if question in seen:
                     templates = [q for q in queues[kind] if q]
                     continue
-                task = _make_task(kg, kind, template, question, plan, topics, max_calls)
+                task = _make_task(kg, kind, template, question, plan, topics, max_calls, max_hops)
                 if task is not None:
                     seen.add(question)
                     tasks.append(task)
@@ -382,7 +385,7 @@ def generate_splits(seed: int = 0, train: int = 1000, dev: int = 100, test: int 
     """The graph and its question splits, in memory (what `generate` writes)."""
     c = config or SynthConfig()
     kg = build_kg(seed, c)
-    tasks = build_tasks(kg, seed, train + dev + test, c.max_calls_per_turn, tuple(c.kinds))
+    tasks = build_tasks(kg, seed, train + dev + test, c.max_calls_per_turn, tuple(c.kinds), c.max_hops)
     if len(tasks) < train + dev + test:
         raise ValueError(f"synth: the graph supports only {len(tasks)} distinct questions, {train + dev + test} asked; enlarge SynthConfig")
     random.Random(seed * 104729 + 2).shuffle(tasks)
