@@ -207,7 +207,9 @@ def run_sweep(presets: list[str], seeds_text: str, out: str | Path, overrides: l
             print(f"[keel] sweep stopped at {run} (interrupted); continue with: {again}", flush=True)
             return INTERRUPTED
         em = (summary.get("eval_final") or {}).get("eval/em")
-        print(f"[keel] sweep {i}/{len(runs)}: {run} done" + (f" (dev EM {em:.3f})" if isinstance(em, (int, float)) else ""), flush=True)
+        lift = summary.get("rl_lift/em")
+        print(f"[keel] sweep {i}/{len(runs)}: {run} done" + (f" (dev EM {em:.3f})" if isinstance(em, (int, float)) else "")
+              + (f", RL lift {lift:+.2f} (McNemar p={summary['rl_lift/p_value']:.3g})" if isinstance(lift, (int, float)) else ""), flush=True)
     # All runs share a folder, so their names (<stem>-s<seed>) are unique; compare has no
     # grouping of replicates, so seeds of one preset appear as rows next to each other.
     result = compare_runs([out / r.name for r in runs], out=out / "compare.html")

@@ -1010,7 +1010,11 @@ class Trainer:
         if after_sft is None or self.p.last_eval is None or self.p.rl_done == 0:
             return None
         final = sorted((self.run_dir / "eval").glob("step_*.jsonl"))[-1]  # zero-padded names: the last is the latest
-        lift = paired_lift(read_eval(self.run_dir / "eval" / f"step_{after_sft:06d}.jsonl"), read_eval(final))
+        try:
+            lift = paired_lift(read_eval(self.run_dir / "eval" / f"step_{after_sft:06d}.jsonl"), read_eval(final))
+        except (OSError, ValueError) as exc:  # a summary line must not crash the end of a finished run
+            self.say(f"[keel] warning: RL lift not computed: {exc}")
+            return None
         return {M.RL_LIFT_EM: lift["lift"], M.RL_LIFT_P_VALUE: lift["p_value"], M.RL_LIFT_N: lift["n"], M.RL_LIFT_GAINED: lift["gained"],
                 M.RL_LIFT_LOST: lift["lost"], M.RL_LIFT_EM_AFTER_SFT: lift["before"], M.RL_LIFT_EM_FINAL: lift["after"]}
 
