@@ -1,10 +1,14 @@
 """Helpers for tests that compare whole runs through the real CLI: the deterministic part of
-metrics.jsonl, a step-by-step comparison, and a free loopback port for launched servers."""
+metrics.jsonl, a step-by-step comparison, killing a run at a metrics line, and a free loopback
+port for launched servers."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +35,17 @@ def assert_same_lines(got: list[dict], expected: list[dict], rel: float = 1e-5, 
                 assert a[k] == pytest.approx(b[k], rel=rel, abs=abs), (a["step"], k)
             else:
                 assert a[k] == b[k], (a["step"], k)
+
+
+def kill_at_metrics_line(proc: subprocess.Popen, metrics: Path, cut: int, timeout: float = 300) -> None:
+    """SIGKILL `proc` once `metrics` (a metrics.jsonl it writes) has `cut` lines; wait for it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= cut:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    proc.wait(timeout=60)
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import assert_same_lines, deterministic_lines
+from runs import assert_same_lines, deterministic_lines, kill_at_metrics_line
 
 REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--set", "sft.steps=3", "--set", "grpo.steps=3", "--set", "eval.every=2", "--set", "grpo.skip_zero_advantage=false",
@@ -38,14 +38,7 @@ def straight(tmp_path_factory):
 def _kill_after(run: Path, cut: int) -> None:
     """Start the smoke run into `run` and SIGKILL it once metrics.jsonl has `cut` lines."""
     proc = subprocess.Popen(_cmd("configs/smoke.yaml", "--out", str(run), *ARGS), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
-    deadline = time.time() + 240
-    metrics = run / "metrics.jsonl"
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= cut:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.02)
-    proc.wait(timeout=60)
+    kill_at_metrics_line(proc, run / "metrics.jsonl", cut, timeout=240)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
 
 

@@ -9,12 +9,11 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from runs import assert_same_lines, deterministic_lines
+from runs import assert_same_lines, deterministic_lines, kill_at_metrics_line
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -75,14 +74,7 @@ def test_killed_sweep_continued_by_the_same_command_matches_the_uninterrupted_on
     victim = killed / (RUNS[0] if where == "first run" else RUNS[1])
     cut = random.Random(os.getpid()).randint(2, LINES_PER_RUN - 2)
     proc = subprocess.Popen(_cmd(killed), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
-    metrics = victim / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= cut:
-            proc.send_signal(signal.SIGKILL)
-            break
-        time.sleep(0.02)
-    proc.wait(timeout=60)
+    kill_at_metrics_line(proc, victim / "metrics.jsonl", cut)
     assert proc.returncode == -signal.SIGKILL, f"the sweep finished before it could be killed (cut {cut})"
     assert not (killed / "compare.txt").exists()
     if where == "first run":
