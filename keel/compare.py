@@ -108,9 +108,11 @@ def mcnemar(b: int, c: int, exact_below: int = EXACT_BELOW) -> McNemar:
     return McNemar(b, c, "chi2_cc", chi2, math.erfc(math.sqrt(chi2 / 2)))
 
 
-def paired_lift(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], field: str = "em") -> dict[str, float]:
-    """`after` against `before` on the questions both evaluated (`read_eval` dicts), with an
-    exact McNemar test on the discordant pairs: {lift, p_value, n, gained, lost, before, after}.
+def paired_lift(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], field: str = "em",
+                exact_below: float = math.inf) -> dict[str, Any]:
+    """`after` against `before` on the questions both evaluated (`read_eval` dicts), with a
+    McNemar test on the discordant pairs (exact at any count by default):
+    {lift, p_value, method, statistic, n, gained, lost, before, after}.
 
     Worked example: before em 1,0,0,0,1,0,0,0,0,0 and after 1,1,1,1,0,1,1,1,1,0 → gained 7,
     lost 1, n 10, lift 0.8 − 0.2 = 0.6, p = 2·P[X ≤ 1], X ~ Bin(8, ½) = 2·9/256 = 0.0703125.
@@ -121,7 +123,8 @@ def paired_lift(before: dict[str, dict[str, float]], after: dict[str, dict[str, 
     n = len(shared)
     mean_before = sum(before[q][field] for q in shared) / n if n else 0.0
     mean_after = sum(after[q][field] for q in shared) / n if n else 0.0
-    return {"lift": mean_after - mean_before, "p_value": mcnemar(gained, lost, exact_below=math.inf).p_value, "n": n,
+    test = mcnemar(gained, lost, exact_below)
+    return {"lift": mean_after - mean_before, "p_value": test.p_value, "method": test.method, "statistic": test.statistic, "n": n,
             "gained": gained, "lost": lost, "before": mean_before, "after": mean_after}
 
 
@@ -282,19 +285,15 @@ def compare_runs(
         runs.append({"name": label, "dir": str(d), "step": step, "file": str(path), "n": len(q), "metrics": summarise(q)})
     tests: list[dict[str, Any]] = []
     for (i, a), (j, b) in combinations(enumerate(runs), 2):
-        common = sorted(set(questions[i]) & set(questions[j]))
         for name in PAIRED_FIELDS:
-            shared = [t for t in common if name in questions[i][t] and name in questions[j][t]]
-            if not shared:
+            pair = paired_lift(questions[i], questions[j], name, exact_below)  # "lost" = right in a only
+            if not pair["n"]:
                 continue
-            only_a = sum(1 for t in shared if questions[i][t][name] == 1 and questions[j][t][name] == 0)
-            only_b = sum(1 for t in shared if questions[i][t][name] == 0 and questions[j][t][name] == 1)
-            result = mcnemar(only_a, only_b, exact_below)
             tests.append({
-                "a": a["name"], "b": b["name"], "field": name, "n_common": len(shared),
+                "a": a["name"], "b": b["name"], "field": name, "n_common": pair["n"],
                 "n_a": len(questions[i]), "n_b": len(questions[j]),
-                "b_only": only_a, "c_only": only_b, "method": result.method,
-                "statistic": result.statistic, "p_value": result.p_value,
+                "b_only": pair["lost"], "c_only": pair["gained"], "method": pair["method"],
+                "statistic": pair["statistic"], "p_value": pair["p_value"],
             })
     for test, adjusted in zip(tests, holm([t["p_value"] for t in tests])):
         test["p_holm"] = adjusted
