@@ -332,6 +332,7 @@ def load_config(preset: str | Path | None = None, overrides: list[str] | None = 
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that a type check cannot do; each error names the key."""
+    from keel.kg.synth import KINDS
     checks = [
         (cfg.rollout.group_size >= 1, "rollout.group_size must be ≥ 1"),
         (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be ≥ 1"),
@@ -343,8 +344,7 @@ def validate(cfg: Config) -> None:
         (cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}"),
         (cfg.env.kind in ("kg", "fc_learn"), f"env.kind must be kg or fc_learn, got {cfg.env.kind!r}"),
         (cfg.data.source in ("synthetic", "files", "dir"), f"data.source must be synthetic, files or dir, got {cfg.data.source!r}"),
-        (set(cfg.data.kinds) <= {"composition", "conjunction", "comparative", "superlative"},
-         f"data.kinds must be a subset of composition, conjunction, comparative, superlative, got {cfg.data.kinds!r}"),
+        (set(cfg.data.kinds) <= set(KINDS), f"data.kinds must be a subset of {', '.join(KINDS)}, got {cfg.data.kinds!r}"),
         (cfg.data.max_hops >= 0, "data.max_hops must be ≥ 0 (0: no limit)"),
         (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),
         (cfg.eval.every >= 1, "eval.every must be ≥ 1"),

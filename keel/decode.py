@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import rotate_half
 
 from keel import cascade
 
@@ -107,10 +108,10 @@ class LeanDecoder:
             q = qkv[:, :q_end].view(B, H, D)
             k = qkv[:, q_end:k_end].view(B, KV, D)
             v = qkv[:, k_end:].view(B, KV, D)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             layer = cache.layers[i]
-            keys, values = layer.update(k[:, :, None, :], v.contiguous()[:, :, None, :])  # [B, KV, L+1, D]
+            keys, values = layer.update(k[:, :, None, :], v[:, :, None, :])  # [B, KV, L+1, D]
             if prefix is not None:
                 pk, pv = layer.prefix
                 out = cascade.split_attention(q[:, :, None, :], pk, pv, keys, values, None, self.scale, prepared)
@@ -124,7 +125,3 @@ class LeanDecoder:
         h = self._rms(h, self.norm)
         return (h @ self.lm_head.T).float()
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
