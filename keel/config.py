@@ -64,6 +64,7 @@ class DataConfig:
 class EnvConfig:
     kind: str = doc("kg", "kg (paper B's four verbs over a triple store) | fc_learn (paper A's function calling: templated multi-turn requests over BFCL's simulators, checker reward)")
     informative_errors: bool = doc(False, "L_sig: failed queries say why ('ERROR: ...') instead of a silent []")
+    plan: bool = doc(False, "KG: the prompt asks for a plan (verb and relation of each call, in order) in <think></think> before the first call, and gold trajectories write them (keel.kg.env.KGEnv.with_plan)")
     max_items: int = doc(30, "longest list a verb returns; the rest is summarised as a count")
     list_relations: bool = doc(True, "list the KG's relation names in the system prompt (paper B: False)")
     oracle_relations: bool = doc(False, "ablation: inject the gold relation for the next hop into each observation")
@@ -102,7 +103,8 @@ class GRPOConfig:
     clip_high: float = doc(0.2, "PPO clip range above 1 (DAPO clip-higher uses 0.28)")
     kl_coef: float = doc(1e-4, "coefficient of the KL-to-reference loss (paper A: 1e-4; paper B notes: 0.05)")
     kl_estimator: str = doc("k3", "k1 | k3 (k3 = verl's low_var_kl)")
-    scale_by_std: bool = doc(True, "divide group-centred rewards by the group std (Dr. GRPO: False)")
+    scale_by_std: bool = doc(True, "divide centred rewards by the std of what they were centred on (Dr. GRPO: False)")
+    baseline: str = doc("group", "what a reward is centred on: group (its group's mean, GRPO) | batch (the mean of the step's whole batch, REINFORCE with a batch baseline: groups that all succeed keep being reinforced)")
     loss_aggregation: str = doc("token-mean", "token-mean | seq-mean-token-mean")
     micro_batch_size: int = doc(8, "sequences per forward/backward (gradient accumulation; loss is identical)")
     max_grad_norm: float = doc(1.0, "gradient clipping norm")
@@ -339,6 +341,8 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.temperature > 0, "rollout.temperature must be > 0"),
         (cfg.rollout.max_turns >= 1, "rollout.max_turns must be ≥ 1"),
         (cfg.grpo.kl_estimator in ("k1", "k3"), f"grpo.kl_estimator must be k1 or k3, got {cfg.grpo.kl_estimator!r}"),
+        (cfg.grpo.baseline in ("group", "batch"), f"grpo.baseline must be group or batch, got {cfg.grpo.baseline!r}"),
+        (not (cfg.grpo.baseline == "batch" and cfg.signals.ops.enabled), "grpo.baseline: batch does not combine with signals.ops (OPS centres gold members on their own group, Eq. 4)"),
         (cfg.grpo.loss_aggregation in ("token-mean", "seq-mean-token-mean"), f"grpo.loss_aggregation must be token-mean or seq-mean-token-mean, got {cfg.grpo.loss_aggregation!r}"),
         (cfg.rollout.dtype in ("float32", "bfloat16"), f"rollout.dtype must be float32 or bfloat16, got {cfg.rollout.dtype!r}"),
         (cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}"),

@@ -7,6 +7,11 @@ group std; the policy loss is PPO's clipped surrogate with separate low/high cli
 
 Where Keel departs: nothing in the formulas. The group std is the unbiased (n-1) estimate,
 as in verl's `compute_grpo_outcome_advantage`; a group of one member gets advantage 0.
+An option GRPO does not have: `batch_advantages` centres each reward on the mean of the whole
+step's batch instead of its group (REINFORCE with a batch-mean baseline; `grpo.baseline: batch`).
+A group whose members all succeed then still gets a positive advantage, so what the policy does
+right on one question keeps being reinforced while another question's gradient moves shared
+decisions; the advantages still sum to zero over the batch.
 Aggregation is a choice: "token-mean" (every policy token of the batch weighs the same, DAPO /
 verl default) or "seq-mean-token-mean" (each sequence's mean, then the mean over sequences,
 the original GRPO). Normalisers are passed in, so gradient accumulation over micro-batches
@@ -34,6 +39,26 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale_by_std: 
         centred = r - r.mean()
         adv[idx] = centred / (r.std() + eps) if scale_by_std else centred
     return adv
+
+
+def batch_advantages(rewards: torch.Tensor, mean: float, std: float, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """rewards [N] → (rewards − mean) [/ (std + eps)], with the mean and unbiased std of the
+    whole step's rewards passed in (so that data-parallel ranks share one baseline).
+
+    Worked example: a step of two groups, [1, 1, 1, 1] and [1, 0, 0, 0]: mean 5/8 = 0.625,
+    unbiased std sqrt((5 · 0.375² + 3 · 0.625²) / 7) = sqrt(1.875 / 7) = 0.517549; the all-success
+    group gets +0.375 / (0.517549 + 1e-6) = +0.724567 each (0 under group advantages), the
+    failures −0.625 / (0.517549 + 1e-6) = −1.207612.
+    """
+    centred = rewards.float() - mean
+    return centred / (std + eps) if scale_by_std else centred
+
+
+def batch_stats(total: float, total_sq: float, n: float) -> tuple[float, float]:
+    """(mean, unbiased std) from a sum, a sum of squares and a count (0 std below 2 members)."""
+    mean = total / n if n else 0.0
+    var = (total_sq - n * mean * mean) / (n - 1) if n > 1 else 0.0
+    return mean, max(var, 0.0) ** 0.5
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:

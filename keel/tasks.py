@@ -87,6 +87,9 @@ def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], li
     if cfg.env.rename_schema or cfg.env.readable_ids:  # gold turns must use the names the model sees
         train = [env.translate_gold(t) for t in train]
         dev = [env.translate_gold(t) for t in dev]
+    if cfg.env.plan:
+        train = [env.with_plan(t) for t in train]
+        dev = [env.with_plan(t) for t in dev]
     return env, train, dev
 
 

@@ -36,7 +36,7 @@ from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier
                               local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
 from keel.evaluate import evaluate_model
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
-from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate
+from keel.losses import aggregate, batch_advantages, batch_stats, clipped_surrogate, group_advantages, kl_estimate
 from keel.memory import release_free_memory, set_mmap_threshold
 from keel.models import DTYPES, LoRA, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
@@ -237,6 +237,15 @@ def grpo_update(
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
+def advantages(rewards: torch.Tensor, groups: list[int], g, ctx) -> torch.Tensor:
+    """This rank's advantages under `grpo.baseline`: centred on each group's mean (GRPO), or on
+    the mean of the whole step's batch over every rank (`batch`, one all-reduce)."""
+    if g.baseline == "batch":
+        total, total_sq, n = all_reduce_sum([float(rewards.sum()), float((rewards.float() ** 2).sum()), float(len(rewards))], ctx)
+        return batch_advantages(rewards, *batch_stats(total, total_sq, n), g.scale_by_std)
+    return group_advantages(rewards, torch.tensor(groups, dtype=torch.long), g.scale_by_std)
+
+
 def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
     """Write into a temp dir and swap it in: a kill mid-write leaves the previous one intact."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -875,7 +884,7 @@ class Trainer:
             members, adv = mixed_groups.trajectories, mixed_groups.advantages
             signal_line[M.SIGNAL_OPS_MEMBERS] = all_reduce_sum([len(experts)], ctx)[0]
         else:
-            adv = group_advantages(local_rewards, torch.tensor(local_groups, dtype=torch.long), cfg.grpo.scale_by_std)
+            adv = advantages(local_rewards, local_groups, cfg.grpo, ctx)
         if self.analyzer is not None:  # PRS (one process only): reflections on failed episodes join the pool
             got, errors = collect_reflections(self.analyzer, self.rng.sample(trajs, len(trajs)), self.tasks_by_id,
                                               s.reflection.fail_at, s.reflection.per_step)

@@ -24,6 +24,7 @@ def test_defaults_and_override_types():
         ("grpo.scale_by_std=3", "grpo.scale_by_std' expects true/false"),
         ("grpo=1", "is a section"),
         ("grpo.kl_estimator=k2", "grpo.kl_estimator must be k1 or k3"),
+        ("grpo.baseline=global", "grpo.baseline must be group or batch"),
         ("novalue", "not of the form key=value"),
     ],
 )
@@ -58,3 +59,9 @@ def test_preset_by_name_and_describe():
     assert load_config("smoke").model.name == "tiny"
     text = describe()
     assert "grpo.kl_coef" in text and "coefficient of the KL" in text
+
+
+def test_batch_baseline_refuses_ops():
+    with pytest.raises(ConfigError, match="grpo.baseline: batch does not combine with signals.ops"):
+        load_config(None, ["grpo.baseline=batch", "signals.ops.enabled=true"])
+    assert load_config(None, ["grpo.baseline=batch"]).grpo.baseline == "batch"

@@ -244,3 +244,40 @@ def test_gradient_sync_rejects_bad_weight(tiny):
     for w in (math.nan, -0.5, math.inf):
         with pytest.raises(ValueError, match="weight"):
             sync.begin(w)
+
+
+def _advantage_worker(rank, world, port, rewards, groups, group_size, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    from keel.train import advantages
+
+    ctx = init_distributed()
+    try:
+        cfg = Config()
+        cfg.grpo.baseline = "batch"
+        mine = shard_groups(len(rewards) // group_size, ctx)
+        rows = [i for i, k in enumerate(groups) if k in mine]
+        torch.save((rows, advantages(rewards[rows], [groups[i] for i in rows], cfg.grpo, ctx)), os.path.join(out_dir, f"adv{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_batch_baseline_is_one_baseline_over_all_ranks(tmp_path):
+    """grpo.baseline=batch on two ranks: each rank's advantages are those of one process over the
+    whole batch (the mean and std are all-reduced), not of its own half."""
+    from keel.train import advantages
+
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # group 0 all success, group 1 one of four
+    groups = [0, 0, 0, 0, 1, 1, 1, 1]
+    cfg = Config()
+    cfg.grpo.baseline = "batch"
+    whole = advantages(rewards, groups, cfg.grpo, DistContext())
+    assert whole[:5].tolist() == pytest.approx([0.724567] * 5, abs=1e-6)  # mean 0.625, std 0.517549 (test_losses)
+    cfg.grpo.baseline = "group"
+    assert advantages(rewards, groups, cfg.grpo, DistContext())[:4].tolist() == [0.0] * 4
+    mp.start_processes(_advantage_worker, args=(2, free_port(), rewards, groups, 4, str(tmp_path)), nprocs=2, start_method="spawn")
+    seen = []
+    for r in range(2):
+        rows, adv = torch.load(tmp_path / f"adv{r}.pt")
+        assert adv.tolist() == pytest.approx(whole[rows].tolist(), abs=1e-6)
+        seen += rows
+    assert sorted(seen) == list(range(8))

@@ -282,3 +282,20 @@ def test_parse_tool_calls_round_trip_through_env():
     text = '<tool_call>\n{"name": "get_tail_entities", "arguments": {"entity": "m.film", "relation": "film.film.directed_by"}}\n</tool_call>'
     (call,) = parse_tool_calls(text)
     assert KGEnv(STORE).start(TASK).execute(call).items == ["Bob Vance"]
+
+
+def test_plan_opens_the_gold_trajectory_and_replays():
+    env = KGEnv(STORE, KGEnvConfig(plan=True))
+    assert env.system_prompt(TASK).splitlines()[4] == "Before your first call, plan the calls (verb and relation, in order) in <think></think>."
+    assert "<think>" not in KGEnv(STORE).system_prompt(TASK)
+    planned = env.with_plan(TASK)
+    texts = planned.meta["gold_texts"]
+    assert texts[0] == ("<think>get_tail_entities film.film.directed_by, get_tail_entities people.person.place_of_birth</think>\n"
+                        '<tool_call>\n{"name": "get_tail_entities", "arguments": {"entity": "m.film", "relation": "film.film.directed_by"}}\n</tool_call>')
+    assert texts[1].startswith("<tool_call>") and texts[2] == "<answer>Paris</answer>" and len(texts) == 3
+    assert "gold_texts" not in TASK.meta  # a copy; the task itself is unchanged
+    assert env.with_plan(planned) is planned  # texts of its own are kept
+    # The plan is text around the call: the gold turn still parses to its one call and succeeds.
+    ep = env.start(planned)
+    outcome = process_turn(ep, texts[0], 0)
+    assert [s.call.name for s in outcome.steps] == ["get_tail_entities"] and outcome.steps[0].observation.text == '["Bob Vance (m.bob)"]'

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate, sft_loss
+from keel.losses import aggregate, batch_advantages, batch_stats, clipped_surrogate, group_advantages, kl_estimate, sft_loss
 
 
 def test_group_advantages_with_std():
@@ -24,6 +24,27 @@ def test_group_advantages_without_std_and_singleton():
     r = torch.tensor([3.0, 1.0, 2.0, 5.0])
     g = torch.tensor([0, 0, 0, 1])
     assert group_advantages(r, g, scale_by_std=False).tolist() == [1.0, -1.0, 0.0, 0.0]
+
+
+def test_batch_advantages_by_hand():
+    # Two groups: all success, and one of four. Mean 0.625, unbiased std sqrt(1.875 / 7).
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    mean, std = batch_stats(float(rewards.sum()), float((rewards ** 2).sum()), 8)
+    assert mean == 0.625 and std == pytest.approx(0.517549, abs=1e-6)
+    assert std == pytest.approx(float(rewards.std()), abs=1e-7)
+    adv = batch_advantages(rewards, mean, std)
+    assert adv[:5].tolist() == pytest.approx([0.724567] * 5, abs=1e-6)  # the uniform group trains too
+    assert adv[5:].tolist() == pytest.approx([-1.207612] * 3, abs=1e-6)
+    assert float(adv.sum()) == pytest.approx(0.0, abs=1e-5)
+    assert batch_advantages(rewards, mean, std, scale_by_std=False).tolist() == pytest.approx([0.375] * 5 + [-0.625] * 3)
+    # Group advantages give the uniform group nothing.
+    assert group_advantages(rewards, torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))[:4].tolist() == [0.0] * 4
+
+
+def test_batch_stats_edge_cases():
+    assert batch_stats(0.0, 0.0, 0) == (0.0, 0.0)
+    assert batch_stats(1.0, 1.0, 1) == (1.0, 0.0)
+    assert batch_stats(2.0, 2.0, 2) == (1.0, 0.0)  # all equal: std 0, never negative from rounding
 
 
 def test_clipped_surrogate_high_side():

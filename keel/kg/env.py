@@ -45,6 +45,10 @@ class KGEnvConfig:
     """List the graph's relation names in the system prompt (paper B: False, relations are discovered with the relation verbs)."""
     informative_errors: bool = False
     """L_sig: a failed or malformed call answers `ERROR: <what was wrong>` instead of a silent `[]`."""
+    plan: bool = False
+    """The system prompt asks for the calls to make (verb and relation) in `<think>…</think>` before
+    the first call, and gold trajectories write them there (`with_plan`): later turns can copy the
+    next call, and when to stop, from the model's own plan instead of reaching back to the question."""
     readable_ids: bool = False
     """L_lang: entities are shown by name instead of "Name (m.id)", and names are accepted as arguments."""
     accept_names: bool = False
@@ -141,6 +145,8 @@ class KGEnv:
             "Several calls may go in one turn; each returns a JSON list.",
             "To finish, reply <answer>NAME</answer> with no tool call.",
         ]
+        if c.plan:
+            lines.append("Before your first call, plan the calls (verb and relation, in order) in <think></think>.")
         if c.list_relations and self._relations:
             lines.append("Relations: " + ", ".join(sorted(self.show_relation(r) for r in self._relations)))
         return "\n".join(lines)
@@ -166,6 +172,23 @@ class KGEnv:
 
     def show_relation(self, relation: str) -> str:
         return self._to_shown.get(relation, relation)
+
+    def with_plan(self, task: Task) -> Task:
+        """A copy of the task whose gold texts open with the plan `plan` asks for: the verb and
+        relation of each gold turn's calls, in order, in `<think>…</think>` before the first call
+        (e.g. `<think>get_tail_entities people.person.place_of_birth, get_tail_entities
+        location.location.containedby</think>`, then the first call). Tasks without gold turns
+        (or with gold texts of their own) are returned unchanged."""
+        from keel.sft import gold_turn_texts
+
+        if not task.gold_turns or task.meta.get("gold_texts"):
+            return task
+        steps = [f"{turn[0]['name']} {turn[0]['arguments']['relation']}" for turn in task.gold_turns
+                 if turn and "relation" in turn[0].get("arguments", {})]
+        texts = gold_turn_texts(task)
+        out = Task.from_dict(copy.deepcopy(task.to_dict()))
+        out.meta["gold_texts"] = [f"<think>{', '.join(steps)}</think>\n{texts[0]}", *texts[1:]]
+        return out
 
     def translate_gold(self, task: Task) -> Task:
         """The task as this env shows it: relations renamed (rename_schema) and entity ids
