@@ -112,9 +112,12 @@ def tools_env(cfg: Config) -> Env:
     e = cfg.env
     try:
         if e.kind == "mcp":
-            from keel.tools.mcp import MCPTools
+            from keel.tools.mcp import MCPError, MCPTools
 
-            backend = MCPTools(list(e.mcp_command), timeout_s=e.call_timeout_s)
+            try:
+                backend = MCPTools(list(e.mcp_command), timeout_s=e.call_timeout_s)
+            except MCPError as exc:
+                raise DataError(str(exc)) from None
         else:
             backend = build_python_backend(list(e.tools), e.tools_file, e.tools_schema, e.dispatcher, e.make_state)
     except (ToolLoadError, ToolSchemaError) as exc:

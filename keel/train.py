@@ -356,7 +356,13 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
     tracker = make_tracker(cfg.report_to if ctx.is_main else [], run, config=to_dict(cfg), run_name=run.name)
     try:
         with Interrupted() as interrupted:
-            return Trainer(cfg, run, reward_fn, tracker, interrupted, ctx).run(resume)
+            trainer = Trainer(cfg, run, reward_fn, tracker, interrupted, ctx)
+            try:
+                return trainer.run(resume)
+            finally:
+                close_env = getattr(trainer.env, "close", None)  # e.g. stop an MCP tool server
+                if callable(close_env):
+                    close_env()
     finally:
         tracker.close()
 
