@@ -30,18 +30,19 @@ def _need(path: str, key: str) -> Path:
     return p
 
 
-def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], list[Task]]:
+def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tuple[Env, list[Task], list[Task]]:
     """The environment and the train/dev tasks a run uses.
 
     synthetic: the seeded generator's KG and questions, written to run_dir/data for the record.
     dir: a dataset directory (kb.tsv + train.jsonl + dev.jsonl) from `keel data kg-synth`.
     files: a triples file plus question files in any supported format.
-    jsonl (env.kind tools / mcp): the user's tasks and tools (`build_tools`).
+    jsonl (env.kind tools / mcp): the user's tasks and tools (`build_tools`); `training` False
+    (evaluation) skips the check that the training signals have the gold they need.
     """
     if cfg.env.kind == "fc_learn":
         return _build_fc_learn(cfg)
     if cfg.env.kind in ("tools", "mcp"):
-        return build_tools(cfg)
+        return build_tools(cfg, training)
     from keel.kg.env import KGEnv
     from keel.kg.loaders import load_store, load_tasks
 
@@ -139,7 +140,7 @@ def gold_needed_by(cfg: Config) -> list[str]:
     return [k for k, on in wanted if on]
 
 
-def build_tools(cfg: Config) -> tuple[Env, list[Task], list[Task]]:
+def build_tools(cfg: Config, training: bool = True) -> tuple[Env, list[Task], list[Task]]:
     """env.kind tools / mcp with data.source jsonl: the user's tools and tasks.
 
     A signal that needs gold trajectories (SFT warm-start, OPS, ETS, hints, rule reflections) is
@@ -164,7 +165,7 @@ def build_tools(cfg: Config) -> tuple[Env, list[Task], list[Task]]:
         raise DataError("data.train: no training tasks were loaded")
     if not dev:
         raise DataError("data.dev: no dev tasks were loaded")
-    needs = gold_needed_by(cfg)
+    needs = gold_needed_by(cfg) if training else []
     missing = [t for t in train if not has_gold(t)]
     if needs and missing:
         raise DataError(f"{needs[0]} trains on gold trajectories, but training task {missing[0].id!r} (and {len(missing) - 1} more) "

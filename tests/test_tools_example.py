@@ -113,3 +113,42 @@ def test_training_survives_a_hung_and_a_crashing_mcp_server(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["sft_gold_failed"] == 2 and "eval_final" in summary
     assert len(starts.read_text().splitlines()) >= 3  # started, and restarted after the hang and after the crash
+
+
+def _eval(tmp_path, name, *args):
+    from keel.cli import main
+
+    out = tmp_path / name
+    assert main(["eval", *args, "--out", str(out)]) == 0
+    return json.loads((out / "summary.json").read_text()), [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+
+
+def test_eval_config_on_the_example(tmp_path, in_repo, capsys):
+    oracle, rows = _eval(tmp_path, "oracle", "--config", "examples/sql_tools/preset.yaml", "--policy", "oracle")
+    assert (oracle["eval/em"], oracle["n"], len(rows), oracle["env"], oracle["split"]) == (1.0, 20, 20, "tools", "dev")
+    null, _ = _eval(tmp_path, "null", "--config", "examples/sql_tools/preset.yaml", "--policy", "null")
+    assert (null["eval/em"], null["eval/tools_per_question"]) == (0.0, 0.0)
+    mcp, _ = _eval(tmp_path, "mcp", "--config", "examples/sql_tools/preset_mcp.yaml", "--policy", "oracle", "--split", "train", "--limit", "10")
+    assert (mcp["eval/em"], mcp["n"], mcp["env"]) == (1.0, 10, "mcp")
+    tiny, rows = _eval(tmp_path, "tiny", "--config", "examples/sql_tools/preset.yaml", "--policy", "tiny", "--limit", "2", "--set", "eval.max_new_tokens=8")
+    assert tiny["n"] == 2 and len(rows) == 2
+
+
+def test_eval_config_on_the_built_in_envs(tmp_path, in_repo):
+    kg, _ = _eval(tmp_path, "kg", "--config", "configs/smoke.yaml", "--policy", "oracle", "--max-turns", "8")  # smoke.yaml allows 2 turns
+    assert kg["eval/em"] == 1.0 and kg["env"] == "kg" and kg["n"] == 4 and "errors" in kg
+    fc, _ = _eval(tmp_path, "fc", "--config", "configs/fc_smoke.yaml", "--policy", "oracle")
+    assert fc["eval/em"] == 1.0 and fc["env"] == "fc_learn" and fc["n"] == 4
+    fc_null, _ = _eval(tmp_path, "fc_null", "--config", "configs/fc_smoke.yaml", "--policy", "null")
+    assert fc_null["eval/em"] == 0.0
+
+
+def test_eval_config_oracle_without_gold_is_refused(tmp_path, in_repo, capsys):
+    from keel.cli import main
+
+    data = tmp_path / "t.jsonl"
+    data.write_text(json.dumps({"prompt": "How many customers live in Lyon?", "answer": "5"}) + "\n")
+    code = main(["eval", "--config", "examples/sql_tools/preset.yaml", "--set", f"data.train={data}", "--set", f"data.dev={data}",
+                 "--policy", "oracle", "--out", str(tmp_path / "x")])
+    assert code == 2 and "eval --policy oracle replays gold_calls, but task 't-1' (and 0 more) has none" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -67,7 +67,8 @@ class _Connection:
 
         params = StdioServerParameters(command=self.command[0], args=list(self.command[1:]), env=dict(os.environ))
         try:
-            async with stdio_client(params) as (read, write):
+            # the server's stderr goes to the process's real stderr (sys.stderr may be a capture without a file descriptor)
+            async with stdio_client(params, errlog=sys.__stderr__ or sys.stderr) as (read, write):
                 async with ClientSession(read, write) as session:
                     await session.initialize()
                     self.tools = list((await session.list_tools()).tools)
