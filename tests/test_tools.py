@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from keel.chat import parse_tool_calls
 from keel.tools.env import ToolsEnv
 from keel.tools.python import ToolLoadError, build_python_backend
 from keel.tools.schema import function_schema

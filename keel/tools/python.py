@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 from keel.tools.env import CallResult, Tool, format_exception
-from keel.tools.schema import STATE_ARGUMENT, ArgumentChecker, ToolSchemaError, function_schema, load_openai_tools, takes_state
+from keel.tools.schema import STATE_ARGUMENT, ToolSchemaError, function_schema, load_openai_tools, takes_state
 from keel.types import Task
 
 MAKE_STATE = "make_state"
