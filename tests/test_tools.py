@@ -51,6 +51,7 @@ def test_schema_from_hints_and_docstring_without_state(user_tools):
     (ToolCall("add", {"a": 1}), "Error: bad arguments for add: 'b' is a required property"),
     (ToolCall("add", {"a": 1, "b": "2"}), "Error: bad arguments for add: b: '2' is not of type 'integer'"),
     (ToolCall("add", {"a": 1, "b": True}), "Error: bad arguments for add: b: True is not of type 'integer'"),
+    (ToolCall("add", {"a": 1, "b": 2.0}), "Error: bad arguments for add: b: 2.0 is not of type 'integer'"),  # JSON Schema alone would accept 2.0
     (ToolCall("add", {"a": 1, "b": 2, "c": 3}), "Error: bad arguments for add: Additional properties are not allowed ('c' was unexpected)"),
     (ToolCall("add", {"a": 1, "b": 2, "state": 3}), "Error: bad arguments for add: Additional properties are not allowed ('state' was unexpected)"),
     (ToolCall("tag", {"words": ["a", 1], "mode": "upper"}), "Error: bad arguments for tag: words.1: 1 is not of type 'string'"),
@@ -159,7 +160,7 @@ def test_failure_frequency_worked_example():
 from test_fc_parse import FRAGMENTS  # noqa: E402
 
 NAMES = ["add", "greet", "tag", "fail", "big", "nope", ""]
-VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.floats(allow_nan=True), st.text(max_size=20),
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.floats(allow_nan=True), st.integers(-50, 50).map(float), st.text(max_size=20),
                    st.lists(st.one_of(st.text(max_size=5), st.integers()), max_size=4), st.dictionaries(st.text(max_size=5), st.integers(), max_size=3),
                    st.sampled_from(FRAGMENTS))
 ARGS = st.dictionaries(st.sampled_from(["a", "b", "name", "times", "loud", "words", "mode", "message", "n", "state", "x"]), VALUES, max_size=4)

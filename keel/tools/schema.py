@@ -11,6 +11,8 @@ made strict at the top level in two ways the schema itself does not say:
   schema sets `additionalProperties` itself): a model inventing `limit=` must hear so;
 - `"nullable": true` (OpenAPI's spelling, which get_json_schema emits for `Optional[...]`) is
   read as "null is allowed too", since JSON Schema itself ignores the keyword.
+And "integer" means a Python int: JSON Schema counts 2.0 (and 7.9e219) as an integer, but a
+function annotated `int` must not receive a float (the fuzz test found exactly that).
 """
 
 from __future__ import annotations
@@ -102,6 +104,14 @@ def _nullable(node: Any) -> Any:
     return out
 
 
+def _is_int(checker, instance) -> bool:
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator, type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("integer", _is_int))
+
+
 class ArgumentChecker:
     """A compiled validator for one tool's arguments; `problem(arguments)` is None or one line."""
 
@@ -112,7 +122,7 @@ class ArgumentChecker:
             jsonschema.Draft202012Validator.check_schema(schema)
         except jsonschema.SchemaError as e:
             raise ToolSchemaError(f"tool {name}: its parameters are not a valid JSON schema ({e.message[:120]})") from None
-        self._validator = jsonschema.Draft202012Validator(schema)
+        self._validator = _Validator(schema)
 
     def problem(self, arguments: Any) -> str | None:
         if not isinstance(arguments, dict):
