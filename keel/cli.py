@@ -51,9 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one config key in every run; repeatable")
     sw.add_argument("--smoke", action="store_true", help="shrink every run as `keel train --smoke` does")
 
-    e = sub.add_parser("eval", help="evaluate a policy (model dir, 'smollm2', 'oracle', 'null') on KG, BFCL or ACEBench tasks",
+    e = sub.add_parser("eval", help="evaluate a policy (model dir, 'smollm2', 'oracle', 'null') on a preset's tools and data, or on KG, BFCL or ACEBench tasks",
                        description="Evaluate a policy and write DIR/summary.json (eval/em, eval/f1, eval/tools_per_question, n, ...) and DIR/results.jsonl (one line per question).")
-    e.add_argument("--env", default="kg", choices=["kg", "bfcl", "acebench"], help="task family")
+    e.add_argument("--config", help="a training preset: evaluate on its own env and data (any env.kind; --split dev|train), with its rollout.max_turns, eval.max_new_tokens and eval.batch_size")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="with --config: override one config key; repeatable")
+    e.add_argument("--env", default=None, choices=["kg", "bfcl", "acebench"], help="task family without --config (default kg)")
     e.add_argument("--data", help="questions file (kg: Keel JSONL, CWQ, PathQuestion, MetaQA) or data directory (acebench; kg: a `keel data kg-synth` dir)")
     e.add_argument("--kb", help="kg: triples file (TSV or |-separated); not needed when --data is a dataset directory")
     e.add_argument("--format", default="auto", help="kg question format: auto | keel | cwq | pathquestion | metaqa")
@@ -66,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--heldout-classes", default="", help="bfcl: API classes held out as content-OOD, e.g. TravelAPI,TicketAPI")
     e.add_argument("--categories", default="", help="bfcl/acebench: comma-separated categories (default: all multi-turn / all)")
     e.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions (0: all)")
-    e.add_argument("--max-turns", type=int, default=5, help="assistant turns per episode")
+    e.add_argument("--max-turns", type=int, default=None, help="assistant turns per episode (default 5; with --config: rollout.max_turns)")
     e.add_argument("--max-new-tokens", type=int, default=128, help="model policies: tokens per turn")
     e.add_argument("--batch-size", type=int, default=16, help="model policies: episodes per batched rollout")
     e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
@@ -228,6 +230,21 @@ def _eval(args) -> int:
     from keel.rundir import atomic_write_json, create_run_dir, write_jsonl
 
     out = Path(args.out)
+    if args.config:
+        if args.env or args.data or args.kb:
+            raise ValueError("eval --config takes its env and data from the preset; do not also give --env, --data or --kb")
+        create_run_dir(out)
+        try:
+            summary = _config_eval(args, out)
+        except BaseException:
+            _remove_if_fresh_eval(out)
+            raise
+        print(json.dumps(summary, indent=2))
+        return 0
+    if args.overrides:
+        raise ValueError("eval --set needs --config")
+    args.env = args.env or "kg"
+    args.max_turns = args.max_turns or 5
     if args.env != "kg":
         create_run_dir(out)
         try:
@@ -263,6 +280,69 @@ def _eval(args) -> int:
     atomic_write_json(out / "summary.json", summary)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _config_eval(args, out: Path) -> dict:
+    """`keel eval --config PRESET`: the policy on the preset's own env and tasks (dev or train
+    split), scored as the trainer scores its evaluations (keel.evaluate), per-question rows in
+    results.jsonl. `oracle` is the env's own: the KG plan walker, BFCL's gold calls, or for
+    env.kind tools/mcp the tasks' gold_calls replayed as assistant text, so they go through the
+    same parser and dispatcher a model's calls go through."""
+    from keel import tasks as task_builder
+    from keel.config import load_config
+    from keel.evaluate import evaluate_model, evaluate_text_policy, gold_replay_policy
+    from keel.rundir import atomic_write_json, write_jsonl
+
+    cfg = load_config(args.config, args.overrides)
+    if args.split not in ("dev", "train"):
+        raise ValueError(f"eval --config: --split must be dev or train, got {args.split!r}")
+    env, train, dev = task_builder.build(cfg, out, training=False)  # a synthetic KG is written to DIR/data
+    try:
+        tasks = dev if args.split == "dev" else train
+        if args.limit:
+            tasks = tasks[: args.limit]
+        max_turns = args.max_turns or cfg.rollout.max_turns
+        kind = cfg.env.kind
+        if args.policy in ("oracle", "null", "endpoint"):
+            if args.policy == "endpoint":
+                policy = _endpoint(args, env.tools)
+            elif kind == "fc_learn":
+                from keel.fc.policies import make_oracle, null_policy as fc_null
+
+                policy = make_oracle("json") if args.policy == "oracle" else fc_null
+            elif kind == "kg":
+                from keel.kg.oracle import null_policy, oracle_policy
+
+                policy = oracle_policy if args.policy == "oracle" else null_policy
+            else:
+                from keel.kg.oracle import null_policy
+                from keel.tools.tasks import has_gold
+
+                missing = [t.id for t in tasks if not has_gold(t)]
+                if args.policy == "oracle" and missing:
+                    raise ValueError(f"eval --policy oracle replays gold_calls, but task {missing[0]!r} (and {len(missing) - 1} more) has none")
+                policy = gold_replay_policy if args.policy == "oracle" else null_policy
+            means, rows, trajs = evaluate_text_policy(env, tasks, policy, max_turns)
+        else:
+            from keel.models import load_model
+            from keel.rollout import SamplingParams
+
+            model, tok = load_model(args.policy, cfg.model.dtype)
+            params = SamplingParams(greedy=True, max_turns=max_turns, max_new_tokens=cfg.eval.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
+            means, rows, trajs = evaluate_model(model, tok, env, tasks, params, cfg.eval.batch_size)
+        summary = {**means, "n": len(rows), "policy": args.policy, "config": str(args.config), "env": kind, "split": args.split}
+        if kind == "kg":
+            from keel.diagnostics.errors import decompose_errors
+
+            errors = decompose_errors(trajs, tasks, env.store)
+            summary["errors"] = {k: errors[k] for k in ("failed", "counts", "shares", "retrieval_dependent", "retrieval_shares")}
+        write_jsonl(out / "results.jsonl", rows)
+        atomic_write_json(out / "summary.json", summary)
+        return summary
+    finally:
+        close = getattr(env, "close", None)
+        if callable(close):
+            close()
 
 
 def _endpoint(args, tools_for):

@@ -45,7 +45,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = doc("synthetic", "synthetic (generated KG, written into the run dir) | files (kb + question files below) | dir")
+    source: str = doc("synthetic", "synthetic (generated KG, written into the run dir) | files (kb + question files below) | dir | jsonl (your own tasks for env.kind tools/mcp: data.train, data.dev; format in keel/tools/tasks.py)")
     seed: int = doc(0, "seed of the synthetic KG and questions")
     n_train: int = doc(1000, "synthetic: training questions")
     n_dev: int = doc(100, "synthetic: dev questions")
@@ -55,14 +55,23 @@ class DataConfig:
     max_hops: int = doc(0, "synthetic: skip questions whose gold needs more tool turns (hops) than this; 0: no limit")
     dir: str = doc("", "source=dir: a dataset directory with kb.tsv and train/dev/test.jsonl (from `keel data kg-synth`)")
     kb: str = doc("", "source=files: triples file (TSV head\\trelation\\ttail or |-separated, .gz ok)")
-    train: str = doc("", "source=files: training questions (Keel JSONL, CWQ, PathQuestion, MetaQA)")
-    dev: str = doc("", "source=files: dev questions; empty = 10% of train, held out")
+    train: str = doc("", "source=files: training questions (Keel JSONL, CWQ, PathQuestion, MetaQA); source=jsonl: your tasks, one JSON object a line")
+    dev: str = doc("", "source=files/jsonl: dev questions; empty = a tenth of train, held out (shuffled with data.seed)")
     format: str = doc("auto", "question file format: auto | keel | cwq | pathquestion | metaqa")
 
 
 @dataclass
 class EnvConfig:
-    kind: str = doc("kg", "kg (paper B's four verbs over a triple store) | fc_learn (paper A's function calling: templated multi-turn requests over BFCL's simulators, checker reward)")
+    kind: str = doc("kg", "kg (paper B's four verbs over a triple store) | fc_learn (paper A's function calling: templated multi-turn requests over BFCL's simulators, checker reward) | tools (your Python functions or an OpenAI tools file) | mcp (an MCP server's tools over stdio)")
+    tools: list[str] = doc([], "kind=tools: the tool functions, each module:function or path/to/file.py:function; schemas from type hints + Google docstrings (transformers' get_json_schema)")
+    tools_file: str = doc("", "kind=tools: a Python file whose every public function is a tool (make_state excluded)")
+    tools_schema: str = doc("", "kind=tools: an OpenAI tools JSON file (a list of {type: function, function: {name, description, parameters}}); calls go to env.dispatcher")
+    dispatcher: str = doc("", "kind=tools with tools_schema: module:function (or file.py:function) called as fn(name, arguments) or fn(name, arguments, state)")
+    make_state: str = doc("", "kind=tools: module:function making the per-episode `state` from the task (empty: make_state of the tools' module, if any; its close() runs after the episode)")
+    mcp_command: list[str] = doc([], "kind=mcp: the server command, e.g. [python, server.py] (stdio transport; one server process per run, restarted after a hang or crash)")
+    instructions: str = doc("", "kind=tools/mcp: the system instructions (empty: Keel's default: use the tools, finish with <answer>...</answer>; a task's own system message wins)")
+    call_timeout_s: float = doc(10.0, "kind=tools/mcp: seconds one call may take; then its answer is a TimeoutError (MCP: the server is restarted)")
+    max_output_chars: int = doc(2000, "kind=tools/mcp: a tool answer longer than this is cut (with a count of what was cut)")
     informative_errors: bool = doc(False, "L_sig: failed queries say why ('ERROR: ...') instead of a silent []")
     plan: bool = doc(False, "KG: the prompt asks for a plan (verb and relation of each call, in order) in <think></think> before the first call, and gold trajectories write them (keel.kg.env.KGEnv.with_plan)")
     max_items: int = doc(30, "longest list a verb returns; the rest is summarised as a count")
@@ -115,7 +124,7 @@ class GRPOConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = doc("r_binary", "reward function, a key of keel.rewards.REWARDS (paper B ladder: r_binary, r_binary_sr, r_stepwise, r_toolverbs, r_selfv, ...)")
+    name: str = doc("r_binary", "reward function, a key of keel.rewards.REWARDS (paper B ladder: r_binary, r_binary_sr, r_stepwise, r_toolverbs, r_selfv, ...; any task: answer_em, answer_f1, calls_succeeded) or your own module:function / file.py:function, called as fn(trajectory, task) -> (total, components)")
 
 
 @dataclass
@@ -332,6 +341,9 @@ def load_config(preset: str | Path | None = None, overrides: list[str] | None = 
     return cfg
 
 
+ENV_KINDS = ("kg", "fc_learn", "tools", "mcp")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that a type check cannot do; each error names the key."""
     from keel.kg.synth import KINDS
@@ -346,8 +358,12 @@ def validate(cfg: Config) -> None:
         (cfg.grpo.loss_aggregation in ("token-mean", "seq-mean-token-mean"), f"grpo.loss_aggregation must be token-mean or seq-mean-token-mean, got {cfg.grpo.loss_aggregation!r}"),
         (cfg.rollout.dtype in ("float32", "bfloat16"), f"rollout.dtype must be float32 or bfloat16, got {cfg.rollout.dtype!r}"),
         (cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}"),
-        (cfg.env.kind in ("kg", "fc_learn"), f"env.kind must be kg or fc_learn, got {cfg.env.kind!r}"),
-        (cfg.data.source in ("synthetic", "files", "dir"), f"data.source must be synthetic, files or dir, got {cfg.data.source!r}"),
+        (cfg.env.kind in ENV_KINDS, f"env.kind must be one of {', '.join(ENV_KINDS)}, got {cfg.env.kind!r}"),
+        (cfg.data.source in ("synthetic", "files", "dir", "jsonl"), f"data.source must be synthetic, files, dir or jsonl, got {cfg.data.source!r}"),
+        (cfg.env.kind not in ("tools", "mcp") or cfg.data.source == "jsonl", f"env.kind={cfg.env.kind} takes its tasks from data.source=jsonl (data.train), got data.source={cfg.data.source!r}"),
+        (cfg.data.source != "jsonl" or cfg.env.kind in ("tools", "mcp"), f"data.source=jsonl is for env.kind tools or mcp, got env.kind={cfg.env.kind!r}"),
+        (cfg.env.kind != "mcp" or bool(cfg.env.mcp_command), "env.kind=mcp needs env.mcp_command, e.g. [python, server.py]"),
+        (cfg.env.call_timeout_s > 0, "env.call_timeout_s must be > 0"),
         (set(cfg.data.kinds) <= set(KINDS), f"data.kinds must be a subset of {', '.join(KINDS)}, got {cfg.data.kinds!r}"),
         (cfg.data.max_hops >= 0, "data.max_hops must be ≥ 0 (0: no limit)"),
         (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),

@@ -62,6 +62,17 @@ def evaluate_text_policy(env: Env, tasks: Sequence[Task], policy, max_turns: int
     return eval_metrics(rows), rows, trajs
 
 
+def gold_replay_policy(task: Task, messages: list[dict[str, Any]]) -> str:
+    """The oracle of a task with a gold trajectory (`gold_turns` + answer): at the k-th assistant
+    turn, the k-th gold text (`keel.sft.gold_turn_texts`: the turn's calls as `<tool_call>`
+    blocks, finally `<answer>…</answer>`). Its calls are parsed and executed like a model's."""
+    from keel.sft import gold_turn_texts
+
+    texts = gold_turn_texts(task)
+    k = sum(1 for m in messages if m["role"] == "assistant")
+    return texts[min(k, len(texts) - 1)]
+
+
 def model_text_policy(model, tokenizer, tools_for: Callable[[Task], list], max_new_tokens: int = 256):
     """A greedy model as a text policy `fn(task, messages) -> str`, for evaluators that drive
     text policies (function calling with several call formats). Training never uses this path:

@@ -55,6 +55,7 @@ TOKENS_TAG_BALANCE = "tokens/tag_balance"  # |#open - #close| / (#open + #close)
 TOOLS_PER_QUESTION = "tools/per_question"
 TOOLS_VALID_CALLS = "tools/valid_call_share"  # share of calls that parsed and executed
 TOOLS_EMPTY_RESULTS = "tools/empty_result_share"
+TOOLS_FAILURE_FREQUENCY = "tools/failure_frequency"  # share of calls whose answer was a failure (Observation.ok False: refused, raised, timed out)
 TOOLS_DISTINCT_NONEMPTY = "tools/distinct_nonempty"
 TOOLS_ERRORS_PREFIX = "tools/error/"  # + error kind (bad_json, unknown_tool, ...): count per step
 

@@ -6,7 +6,12 @@ mode. Paper A scores a BFCL trajectory 1 if the multi-turn checker accepts it.
 
 Contract: `fn(traj, task) -> (total, components)`. Every component is returned so that the
 trainer can log it as `reward/<component>`. `REWARDS` maps the config name of a reward to its
-function; adding a reward is adding one entry.
+function; adding a reward is adding one entry. Your own reward is `reward.name:
+module:function` (or `path/to/file.py:function`) with the same contract (`resolve_reward`):
+`traj` is the episode (`traj.answer` the final answer, `traj.steps` the calls with their
+observations, `traj.turn_texts` the assistant texts), `task` the task (`task.answers`, and for
+`data.source: jsonl` every extra field of its line in `task.meta["fields"]`). For any task:
+`answer_em`, `answer_f1` (against the task's `answer`) and `calls_succeeded`.
 
 Where Keel departs from the authors' released reward module (`PAPERS.md`, "How the authors'
 code computes the pieces"):
@@ -388,6 +393,34 @@ def fc_tag_balance(traj: Trajectory, task: Task) -> tuple[float, dict[str, float
     return valid - imbalance, {"valid": valid, "tag_imbalance": imbalance}
 
 
+# --- any task (env.kind tools / mcp, or any other) ------------------------------------------------
+
+
+def answer_em(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
+    """Exact match of the final answer against `answer` (any accepted string; normalised as
+    paper B's code does, `keel.answers`). F1 is logged, not paid."""
+    out = outcome(traj, task)
+    return out["em"], {"em": out["em"], "f1": out["f1"]}
+
+
+def answer_f1(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
+    """Token F1 of the final answer against the primary `answer`. EM is logged, not paid."""
+    out = outcome(traj, task)
+    return out["f1"], {"em": out["em"], "f1": out["f1"]}
+
+
+def calls_succeeded(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
+    """1 when the episode made at least one call and every call succeeded (`Observation.ok`),
+    else 0. An episode without any call scores 0, so not calling is not "every call succeeded".
+
+    Worked example: 3 calls, one answered `Error: ValueError: ...` → 0 (calls 3, failed 1).
+    """
+    n = len(traj.steps)
+    failed = sum(1 for s in traj.steps if not s.observation.ok)
+    total = 1.0 if n and not failed else 0.0
+    return total, {"calls_succeeded": total, "calls": float(n), "failed_calls": float(failed)}
+
+
 REWARDS: dict[str, RewardFn] = {
     "r_binary": r_binary,
     "r_binary_sr": r_binary_sr,
@@ -399,4 +432,40 @@ REWARDS: dict[str, RewardFn] = {
     "r_selfv_no_retrv": r_selfv_no_retrv,
     "fc_binary": fc_binary,
     "fc_tag_balance": fc_tag_balance,
+    "answer_em": answer_em,
+    "answer_f1": answer_f1,
+    "calls_succeeded": calls_succeeded,
 }
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A key of REWARDS, or the user's `module:function` / `path/to/file.py:function`.
+
+    The user's function keeps the contract: `fn(trajectory, task) -> (total, components)`, total
+    a number, components a dict of numbers (each logged as `reward/<name>`); it is checked on
+    every call (`checked_reward`), so a wrong return type is a one-line error naming the
+    function instead of a crash deep inside the update.
+    """
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" not in name:
+        raise ValueError(f"reward.name: unknown reward {name!r} (known: {', '.join(sorted(REWARDS))}; or module:function)")
+    from keel.tools.python import ToolLoadError, load_callable
+
+    try:
+        fn = load_callable(name, "reward.name")
+    except ToolLoadError as e:
+        raise ValueError(str(e)) from None
+    return checked_reward(fn, name)
+
+
+def checked_reward(fn: RewardFn, name: str) -> RewardFn:
+    def reward(traj: Trajectory, task: Task) -> tuple[float, dict[str, float]]:
+        out = fn(traj, task)
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (int, float)) and not isinstance(out[0], bool)
+                and isinstance(out[1], dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in out[1].values())):
+            raise ValueError(f"reward {name} returned {type(out).__name__} {str(out)[:80]!r}; expected (total, {{component: number}})")
+        return float(out[0]), {str(k): float(v) for k, v in out[1].items()}
+
+    reward.__name__ = getattr(fn, "__name__", name)
+    return reward

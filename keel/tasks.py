@@ -30,15 +30,19 @@ def _need(path: str, key: str) -> Path:
     return p
 
 
-def build(cfg: Config, run_dir: Path | None = None) -> tuple[Env, list[Task], list[Task]]:
+def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tuple[Env, list[Task], list[Task]]:
     """The environment and the train/dev tasks a run uses.
 
     synthetic: the seeded generator's KG and questions, written to run_dir/data for the record.
     dir: a dataset directory (kb.tsv + train.jsonl + dev.jsonl) from `keel data kg-synth`.
     files: a triples file plus question files in any supported format.
+    jsonl (env.kind tools / mcp): the user's tasks and tools (`build_tools`); `training` False
+    (evaluation) skips the check that the training signals have the gold they need.
     """
     if cfg.env.kind == "fc_learn":
         return _build_fc_learn(cfg)
+    if cfg.env.kind in ("tools", "mcp"):
+        return build_tools(cfg, training)
     from keel.kg.env import KGEnv
     from keel.kg.loaders import load_store, load_tasks
 
@@ -101,3 +105,79 @@ def _build_fc_learn(cfg: Config) -> tuple[Env, list[Task], list[Task]]:
     d = cfg.data
     tasks = generate_tasks(d.n_train + d.n_dev, seed=d.seed)
     return LearnableEnv(), tasks[: d.n_train], tasks[d.n_train :]
+
+
+def tools_env(cfg: Config) -> Env:
+    """The env of env.kind tools / mcp (keel.tools): the configured backend behind ToolsEnv."""
+    from keel.tools.env import ToolsEnv
+    from keel.tools.python import ToolLoadError, build_python_backend
+    from keel.tools.schema import ToolSchemaError
+
+    e = cfg.env
+    try:
+        if e.kind == "mcp":
+            from keel.tools.mcp import MCPError, MCPTools
+
+            try:
+                backend = MCPTools(list(e.mcp_command), timeout_s=e.call_timeout_s)
+            except MCPError as exc:
+                raise DataError(str(exc)) from None
+        else:
+            backend = build_python_backend(list(e.tools), e.tools_file, e.tools_schema, e.dispatcher, e.make_state)
+    except (ToolLoadError, ToolSchemaError) as exc:
+        raise DataError(str(exc)) from None
+    return ToolsEnv(backend, e.instructions, e.call_timeout_s, e.max_output_chars, name=e.kind)
+
+
+# Signals that train on (or show) the gold trajectory, by the config switch that turns them on.
+def gold_needed_by(cfg: Config) -> list[str]:
+    s = cfg.signals
+    wanted = [
+        ("sft.enabled", cfg.sft.enabled and cfg.sft.steps > 0 and not s.self_distill.trajectories),
+        ("signals.ops.enabled", s.ops.enabled),
+        ("signals.ets.enabled", s.ets.enabled),
+        ("signals.hint.enabled", s.hint.enabled),
+        ("signals.sft", s.sft),
+        ("signals.reflection.enabled", s.reflection.enabled and s.reflection.analyzer == "rule"),
+    ]
+    return [k for k, on in wanted if on]
+
+
+def build_tools(cfg: Config, training: bool = True) -> tuple[Env, list[Task], list[Task]]:
+    """env.kind tools / mcp with data.source jsonl: the user's tools and tasks.
+
+    A signal that needs gold trajectories (SFT warm-start, OPS, ETS, hints, rule reflections) is
+    refused, naming the switch, when a training task has no `gold_calls`; a gold call naming a
+    tool the env does not have is refused here too, rather than as a failed gold replay.
+    """
+    from keel.tools.tasks import TaskFileError, has_gold, load_jsonl_tasks
+
+    d = cfg.data
+    try:
+        train = load_jsonl_tasks(_need(d.train, "data.train"))
+        if d.dev:
+            dev = load_jsonl_tasks(_need(d.dev, "data.dev"))
+        else:
+            shuffled = train[:]
+            random.Random(d.seed).shuffle(shuffled)
+            cut = max(1, len(shuffled) // 10)
+            dev, train = shuffled[:cut], shuffled[cut:]
+    except TaskFileError as exc:
+        raise DataError(str(exc)) from None
+    if not train:
+        raise DataError("data.train: no training tasks were loaded")
+    if not dev:
+        raise DataError("data.dev: no dev tasks were loaded")
+    needs = gold_needed_by(cfg) if training else []
+    missing = [t for t in train if not has_gold(t)]
+    if needs and missing:
+        raise DataError(f"{needs[0]} trains on gold trajectories, but training task {missing[0].id!r} (and {len(missing) - 1} more) "
+                        f"has no gold_calls; add gold_calls to data.train or set {needs[0]}=false")
+    env = tools_env(cfg)
+    names = {t["function"]["name"] for t in env.tools(train[0])}
+    for t in train + dev:
+        for turn in t.gold_turns:
+            for c in turn:
+                if c["name"] not in names:
+                    raise DataError(f"task {t.id!r}: gold call names unknown tool {c['name']!r} (tools: {', '.join(sorted(names))})")
+    return env, train, dev

@@ -338,15 +338,14 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
     returns summary.json's content. Under `torchrun` / `accelerate launch` every process calls
     this with the same arguments (see keel.distributed): rank 0 writes the run directory."""
     from keel.config import to_dict
-    from keel.rewards import REWARDS
+    from keel.rewards import resolve_reward
     from keel.trackers import make_tracker
 
     ctx = ctx if ctx is not None else init_distributed()
     out_dir = Path(out_dir)
     if ctx.enabled:
         check_distributed_config(cfg, ctx)
-    if cfg.reward.name not in REWARDS:
-        raise ValueError(f"reward.name: unknown reward {cfg.reward.name!r} (known: {', '.join(sorted(REWARDS))})")
+    reward_fn = resolve_reward(cfg.reward.name)  # a key of REWARDS or the user's module:function
     if resume:
         if not (out_dir / "config.yaml").exists():
             raise RunDirError(f"--resume {out_dir}: no config.yaml (not a Keel run directory)")
@@ -366,7 +365,13 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
     tracker = make_tracker(cfg.report_to if ctx.is_main else [], run, config=to_dict(cfg), run_name=run.name)
     try:
         with Interrupted() as interrupted:
-            return Trainer(cfg, run, REWARDS[cfg.reward.name], tracker, interrupted, ctx).run(resume)
+            trainer = Trainer(cfg, run, reward_fn, tracker, interrupted, ctx)
+            try:
+                return trainer.run(resume)
+            finally:
+                close_env = getattr(trainer.env, "close", None)  # e.g. stop an MCP tool server
+                if callable(close_env):
+                    close_env()
     finally:
         tracker.close()
 
@@ -825,7 +830,7 @@ class Trainer:
         combined with token weights, and the trajectories are gathered so every rank computes
         the same metrics line and the detectors take the same decisions.
         """
-        from keel.diagnostics.episode_metrics import episode_record, tool_metrics
+        from keel.diagnostics.episode_metrics import episode_record, failure_metrics, tool_metrics
         from keel.diagnostics.states import structural_shares
         from keel.diagnostics.telemetry import control_tag_frequency
         from keel.signals.ops import expert_members, group_with_experts, sampled_rows
@@ -942,7 +947,9 @@ class Trainer:
         }
         line.update(signal_line)
         line.update(_telemetry(sink, self.pieces))
-        line.update(tool_metrics([episode_record(tr, task) for tr, task in zip(trajs, rows)]))
+        records = [episode_record(tr, task) for tr, task in zip(trajs, rows)]
+        line.update(tool_metrics(records))
+        line.update(failure_metrics(records))
         line.update(structural_shares(trajs))
         freqs = control_tag_frequency([self.pieces([t for t, s in zip(tr.token_ids, tr.sources) if s == Source.POLICY]) for tr in trajs])
         self.freq_baseline.record(freqs)  # first RL step: the policy equals the reference model

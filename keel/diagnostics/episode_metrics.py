@@ -27,6 +27,7 @@ from keel.metrics import (
     EVAL_TOOLS_PER_QUESTION,
     TOOLS_DISTINCT_NONEMPTY,
     TOOLS_EMPTY_RESULTS,
+    TOOLS_FAILURE_FREQUENCY,
     TOOLS_ERRORS_PREFIX,
     TOOLS_PER_QUESTION,
     TOOLS_VALID_CALLS,
@@ -76,6 +77,7 @@ def episode_record(traj: Trajectory, task: Task) -> dict[str, Any]:
         "tools": len(traj.steps),
         "valid_calls": sum(is_valid_call(s) for s in traj.steps),
         "empty_results": sum(is_empty_observation(s.observation.result_text) for s in traj.steps),
+        "failed_calls": sum(not s.observation.ok for s in traj.steps),
         "distinct_nonempty": distinct_nonempty_calls(traj.steps),
         "verbs": dict(Counter(s.call.name or "<unparsed>" for s in traj.steps)),
         "errors": dict(errors),
@@ -126,6 +128,19 @@ def tool_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
     for kind, n in sorted(errors.items()):
         out[TOOLS_ERRORS_PREFIX + str(kind)] = float(n)
     return out
+
+
+def failure_metrics(records: list[dict[str, Any]]) -> dict[str, float]:
+    """`tools/failure_frequency`: failed calls (the answer was a refusal, an exception or a
+    timeout: `Observation.ok` False) over all calls of the batch; {} without calls, or when a
+    record predates the `failed_calls` field.
+
+    Worked example: records with (tools, failed_calls) (2, 1), (3, 0), (0, 0) → 1 / 5 = 0.2.
+    """
+    calls = sum(r["tools"] for r in records)
+    if not calls or not all("failed_calls" in r for r in records):
+        return {}
+    return {TOOLS_FAILURE_FREQUENCY: sum(r["failed_calls"] for r in records) / calls}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
