@@ -692,6 +692,7 @@ class Trainer:
             if cfg.sft.enabled and cfg.sft.steps > 0 and not self.sft_phase():
                 return self.finish(interrupted=True)
             if cfg.sft.enabled and cfg.sft.steps > 0:
+                self.opt = self.sched = None  # SFT's AdamW state (2× the weights) is not needed by the eval; RL makes its own
                 self.sync_sampler()
                 means = self.evaluate("after_sft")
                 p.summary["eval_after_sft"] = means
@@ -739,6 +740,7 @@ class Trainer:
             t0 = time.time()
             stats = self.sft_update(batch)
             self.sched.step()
+            self.model.zero_grad(set_to_none=True)  # no gradient lives between steps (~0.5 GB for SmolLM2)
             p.sft_done += 1
             self.log({M.PHASE: "sft", **stats, M.OPTIM_LR: self.sched.get_last_lr()[0], M.TIME_UPDATE: time.time() - t0})
             bar.set_postfix(loss=f"{stats[M.LOSS_SFT]:.3f}")
@@ -926,6 +928,7 @@ class Trainer:
                                 old_from_policy=old_from_policy, extra_losses=extra)
             sink = [x for x in sink if x[0] < len(trajs)]  # KL telemetry on sampled tokens, not gold ones
         self.sched.step()
+        self.model.zero_grad(set_to_none=True)  # the rollout and evaluations that follow need no gradients
         self.sync_sampler()
         t_update = time.time() - t1
         n_policy = sum(tr.num_policy_tokens for tr in trajs)
