@@ -13,6 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from keel.errors import UserError
+
 EPILOG_TRAIN = """examples:
   keel train configs/main.yaml                       # SmolLM2-135M, synthetic KG: SFT warm-start, then GRPO
   keel train configs/main.yaml --smoke               # same config on the tiny model, a few seconds
@@ -139,7 +141,7 @@ def _train(args) -> int:
         if not (run / "config.yaml").exists():
             raise FileNotFoundError(f"--resume {run}: no config.yaml (not a Keel run directory)")
         if args.config or args.smoke or args.out:
-            raise ValueError("--resume takes the run's own config.yaml; do not also give a preset, --smoke or --out")
+            raise UserError("--resume takes the run's own config.yaml; do not also give a preset, --smoke or --out")
         summary = resume_run(run, args.overrides)
         if os.environ.get("RANK", "0") != "0":
             return 0
@@ -147,7 +149,7 @@ def _train(args) -> int:
         print(f"[keel] run directory: {run}")
         return 0
     if not args.config:
-        raise ValueError("train: give a config preset, e.g. `keel train configs/main.yaml` (see --help)")
+        raise UserError("train: give a config preset, e.g. `keel train configs/main.yaml` (see --help)")
     cfg = load_config(args.config, args.overrides, smoke=args.smoke)
     name = Path(args.config).stem + ("-smoke" if args.smoke else "")
     from keel.distributed import broadcast_object, init_distributed
@@ -272,7 +274,7 @@ def _endpoint(args, tools_for):
     from keel.endpoint import chat, hermes_messages
 
     if not args.base_url or not args.endpoint_model:
-        raise ValueError("eval --policy endpoint needs --base-url and --endpoint-model")
+        raise UserError("eval --policy endpoint needs --base-url and --endpoint-model")
     key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
 
     def policy(task, messages):
@@ -305,7 +307,7 @@ def _fc_eval(args) -> dict:
         factory.is_policy_factory = True
         policy = factory
     if args.env == "acebench" and not args.data:
-        raise ValueError("eval --env acebench needs --data DIR (ACEBench's data_en directory)")
+        raise UserError("eval --env acebench needs --data DIR (ACEBench's data_en directory)")
     return evaluate_fc(args.env, policy, data=args.data, categories=categories, out_dir=args.out, call_formats=formats,
                        heldout_classes=heldout, limit=args.limit or None)
 
@@ -331,7 +333,7 @@ def _data(args) -> int:
         means, _, _ = evaluate_text_policy(KGEnv(store), tasks, oracle_policy, 8)
         print(json.dumps({"triples": getattr(store, "num_triples", None), "questions": len(tasks), "oracle": means}, indent=2))
         return 0
-    raise ValueError("data: choose an action: kg-synth | check (see `keel data --help`)")
+    raise UserError("data: choose an action: kg-synth | check (see `keel data --help`)")
 
 
 def _distill(args) -> int:

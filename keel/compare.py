@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from keel import metrics
+from keel.errors import UserError
 from keel.report import PALETTE, Line, escape, line_chart, load_run, page, read_jsonl, step_files, write_atomic
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -154,7 +155,7 @@ def _binary(value: Any, where: str, name: str) -> int:
         return int(value)
     if isinstance(value, (int, float)) and value in (0, 1):
         return int(value)
-    raise ValueError(f"{where}: {name} must be 0 or 1 (or true/false) per question, got {value!r}")
+    raise UserError(f"{where}: {name} must be 0 or 1 (or true/false) per question, got {value!r}")
 
 
 def read_eval(path: Path) -> dict[str, dict[str, float]]:
@@ -167,16 +168,16 @@ def read_eval(path: Path) -> dict[str, dict[str, float]]:
     rows, problems = read_jsonl(path)
     bad = [p for p in problems if "torn last line" not in p]
     if bad:
-        raise ValueError(f"{path}: {bad[0]}")
+        raise UserError(f"{path}: {bad[0]}")
     out: dict[str, dict[str, float]] = {}
     for number, row in enumerate(rows, start=1):
         where = f"{path}: row {number}"
         task_id = row.get("task_id")
         if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
-            raise ValueError(f"{where}: missing task_id")
+            raise UserError(f"{where}: missing task_id")
         task_id = str(task_id)
         if task_id in out:
-            raise ValueError(f"{where}: task_id {task_id!r} appears twice")
+            raise UserError(f"{where}: task_id {task_id!r} appears twice")
         record: dict[str, float] = {}
         for name in BINARY_FIELDS:
             if name in row and row[name] is not None:
@@ -186,11 +187,11 @@ def read_eval(path: Path) -> dict[str, dict[str, float]]:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
+                raise UserError(f"{where}: {name} must be a finite number, got {value!r}")
             record[name] = float(value)
         out[task_id] = record
     if not out:
-        raise ValueError(f"{path}: no questions")
+        raise UserError(f"{path}: no questions")
     return out
 
 
@@ -199,7 +200,7 @@ def choose_eval(run_dir: Path, at: str | int = "final") -> tuple[int, Path]:
     earliest on ties), or a given step."""
     files = step_files(run_dir / "eval")
     if not files:
-        raise ValueError(f"{run_dir}: no per-question eval files (eval/step_*.jsonl)")
+        raise UserError(f"{run_dir}: no per-question eval files (eval/step_*.jsonl)")
     if at == "final":
         step = max(files)
     elif at == "peak":
@@ -211,10 +212,10 @@ def choose_eval(run_dir: Path, at: str | int = "final") -> tuple[int, Path]:
         step = max(sorted(files), key=em_of)
     elif isinstance(at, int) and not isinstance(at, bool):
         if at not in files:
-            raise ValueError(f"{run_dir}: no eval file for step {at} (have {sorted(files)})")
+            raise UserError(f"{run_dir}: no eval file for step {at} (have {sorted(files)})")
         step = at
     else:
-        raise ValueError(f"at must be 'final', 'peak' or a step number, got {at!r}")
+        raise UserError(f"at must be 'final', 'peak' or a step number, got {at!r}")
     return step, files[step]
 
 
@@ -243,7 +244,7 @@ def summarise(questions: dict[str, dict[str, float]]) -> dict[str, dict[str, flo
 def _names(run_dirs: list[Path], names: list[str] | None) -> list[str]:
     if names is not None:
         if len(names) != len(run_dirs):
-            raise ValueError(f"names: {len(names)} names for {len(run_dirs)} runs")
+            raise UserError(f"names: {len(names)} names for {len(run_dirs)} runs")
         return list(names)
     base = [d.resolve().name for d in run_dirs]
     # Seeds of one sweep often share a folder name under different parents: add the parent.
@@ -271,7 +272,7 @@ def compare_runs(
     """
     dirs = [Path(d) for d in run_dirs]
     if not dirs:
-        raise ValueError("compare_runs: no run directories given")
+        raise UserError("compare_runs: no run directories given")
     for d in dirs:
         if not d.is_dir():
             raise FileNotFoundError(f"run directory {d} does not exist or is not a directory")

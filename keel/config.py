@@ -15,12 +15,15 @@ from typing import Any
 
 import yaml
 
+from keel.errors import UserError
+
+
 if typing.TYPE_CHECKING:  # real imports are lazy: these modules import keel.config
     from keel.diagnostics.detectors import DetectorConfig
     from keel.signals.schedule import SignalsConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A bad config: unknown key, wrong type, unreadable preset. The message is one line."""
 
 

@@ -24,6 +24,7 @@ import urllib.request
 from typing import Any, Callable
 
 from keel.chat import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
+from keel.errors import UserError
 from keel.types import Env, Task
 
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -31,7 +32,7 @@ _LOOPBACK = ("localhost", "127.0.0.1", "::1")
 _BODY_CHARS = 200  # characters of an error response quoted in an EndpointError
 
 
-class EndpointError(RuntimeError):
+class EndpointError(UserError, RuntimeError):
     """A failed chat-completions request. The message is one line naming the URL and the cause."""
 
 

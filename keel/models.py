@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from keel.chat import HERMES_TEMPLATE
+from keel.errors import UserError
 
 EMBEDDED = "smollm2"  # model.name of the embedded default
 TINY = "tiny"  # model.name of the tiny random model for tests
@@ -169,7 +170,7 @@ def load_model(name: str, dtype: str = "float32", seed: int = 0, device: str = "
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if dtype not in DTYPES:
-        raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+        raise UserError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
     tok = load_tokenizer(name)
     if name == TINY:
         with torch.random.fork_rng(devices=[]):
@@ -189,7 +190,7 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"model.device: {device!r} requested but no CUDA device is available")
+        raise UserError(f"model.device: {device!r} requested but no CUDA device is available")
     return device
 
 
@@ -210,7 +211,7 @@ class LoRA:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
-            raise ValueError("model.lora_rank > 0 needs peft: pip install torch==2.13.0 'keel[lora]' (peft==0.21.2)") from None
+            raise UserError("model.lora_rank > 0 needs peft: pip install torch==2.13.0 'keel[lora]' (peft==0.21.2)") from None
         self.peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets)))
         self.model = self.peft_model.get_base_model()
 
@@ -225,7 +226,7 @@ class LoRA:
         params = dict(self.model.named_parameters())
         missing = sorted(set(k for k, v in params.items() if v.requires_grad) - set(state))
         if missing:
-            raise ValueError(f"adapter checkpoint lacks {len(missing)} adapter weights, e.g. {missing[0]}")
+            raise UserError(f"adapter checkpoint lacks {len(missing)} adapter weights, e.g. {missing[0]}")
         with torch.no_grad():
             for k, v in state.items():
                 params[k].copy_(v)
@@ -256,7 +257,7 @@ class LoRA:
             elif k.replace(".bias", ".base_layer.bias") in own:
                 mapped[k.replace(".bias", ".base_layer.bias")] = v
             else:
-                raise ValueError(f"base checkpoint has a weight the model lacks: {k}")
+                raise UserError(f"base checkpoint has a weight the model lacks: {k}")
         self.model.load_state_dict(mapped, strict=False)
 
     def merged_model(self):

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keel.errors import UserError
 from keel.rundir import RunDirError, atomic_write_json, atomic_write_text, create_run_dir
 
 SWEEP_FILE = "sweep.json"
@@ -57,11 +58,11 @@ def parse_seeds(text: str) -> list[int]:
         try:
             seeds.append(int(part))
         except ValueError:
-            raise ValueError(f"sweep: --seeds takes comma-separated integers, e.g. 0,1,2; got {text!r}") from None
+            raise UserError(f"sweep: --seeds takes comma-separated integers, e.g. 0,1,2; got {text!r}") from None
     if not seeds:
-        raise ValueError("sweep: --seeds is empty; give e.g. --seeds 0,1,2")
+        raise UserError("sweep: --seeds is empty; give e.g. --seeds 0,1,2")
     if len(set(seeds)) != len(seeds):
-        raise ValueError(f"sweep: --seeds repeats a seed: {text!r}")
+        raise UserError(f"sweep: --seeds repeats a seed: {text!r}")
     return seeds
 
 
@@ -99,11 +100,11 @@ def plan(presets: list[str], seeds: list[int], overrides: list[str], smoke: bool
 
     for o in overrides:
         if parse_override(o)[0] == "run.seed":
-            raise ValueError("sweep: run.seed is set per run from --seeds; do not also --set it")
+            raise UserError("sweep: run.seed is set per run from --seeds; do not also --set it")
     stems = [Path(p).stem for p in presets]
     for s in stems:
         if stems.count(s) > 1:
-            raise ValueError(f"sweep: two presets named {s!r} would share run directories; give each preset once")
+            raise UserError(f"sweep: two presets named {s!r} would share run directories; give each preset once")
     return [PlannedRun(f"{stem}-s{seed}", preset, seed, load_config(preset, [*overrides, f"run.seed={seed}"], smoke=smoke))
             for preset, stem in zip(presets, stems) for seed in seeds]
 
@@ -181,7 +182,7 @@ def run_sweep(presets: list[str], seeds_text: str, out: str | Path, overrides: l
     from keel.compare import compare_runs
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("sweep: runs in one process; under torchrun / accelerate launch, start `keel train` for each run")
+        raise UserError("sweep: runs in one process; under torchrun / accelerate launch, start `keel train` for each run")
     out = Path(out)
     overrides = list(overrides or [])
     seeds = parse_seeds(seeds_text)

@@ -7,10 +7,11 @@ import random
 from pathlib import Path
 
 from keel.config import Config
+from keel.errors import UserError
 from keel.types import Env, Task
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Missing or malformed data; the message names the file."""
 
 

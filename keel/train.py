@@ -34,6 +34,7 @@ from keel import metrics as M
 from keel.config import Config, dump_yaml
 from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
                               local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
+from keel.errors import UserError
 from keel.evaluate import evaluate_model
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
 from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estimate
@@ -337,7 +338,7 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
     if ctx.enabled:
         check_distributed_config(cfg, ctx)
     if cfg.reward.name not in REWARDS:
-        raise ValueError(f"reward.name: unknown reward {cfg.reward.name!r} (known: {', '.join(sorted(REWARDS))})")
+        raise UserError(f"reward.name: unknown reward {cfg.reward.name!r} (known: {', '.join(sorted(REWARDS))})")
     if resume:
         if not (out_dir / "config.yaml").exists():
             raise RunDirError(f"--resume {out_dir}: no config.yaml (not a Keel run directory)")
@@ -367,12 +368,12 @@ def check_distributed_config(cfg: Config, ctx: DistContext) -> None:
     supervision phases (the latter repeated identically on every rank). PRS and synchronous
     supervision losses normalise by local counts inside the update and are refused."""
     if cfg.signals.reflection.enabled:
-        raise ValueError(f"distributed: signals.reflection (PRS) runs in one process only; {ctx.world_size} processes were started")
+        raise UserError(f"distributed: signals.reflection (PRS) runs in one process only; {ctx.world_size} processes were started")
     from keel.signals.schedule import Schedule
 
     schedule = Schedule.from_config(cfg.signals, cfg.grpo.lr)
     if any(schedule.sync_weight(k) > 0 for k in schedule.kinds):
-        raise ValueError("distributed: synchronous supervision losses (signals.paradigm=synchronous) run in one process only")
+        raise UserError("distributed: synchronous supervision losses (signals.paradigm=synchronous) run in one process only")
     shard_groups(cfg.rollout.prompts_per_step, ctx)  # prompts_per_step must divide evenly
 
 
@@ -708,13 +709,13 @@ class Trainer:
                 raise FileNotFoundError(f"signals.self_distill.trajectories: file not found: {path} (make it with `keel distill`)")
             examples = self_distillation_examples(read_trajectories(path), packed=cfg.sft.packed)
             if not examples:
-                raise ValueError(f"signals.self_distill.trajectories: {path} has no usable episodes")
+                raise UserError(f"signals.self_distill.trajectories: {path} has no usable episodes")
             p.summary["sft_source"] = f"self-distillation: {path}"
         else:
             golds = [gold_trajectory(self.tok, self.env, t) for t in self.train_tasks]
             examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=cfg.sft.packed)]
             if not examples:
-                raise ValueError("sft: no gold trajectory could be replayed in the environment (every gold call failed)")
+                raise UserError("sft: no gold trajectory could be replayed in the environment (every gold call failed)")
             p.summary["sft_gold_failed"] = sum(1 for g in golds if not g.info.get("gold_ok", True))
         p.summary["sft_examples"] = len(examples)
         bar = _progress(cfg.sft.steps, "sft", cfg.run.progress and self.ctx.is_main)

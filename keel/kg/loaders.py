@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from keel.errors import UserError
 from keel.kg.oracle import run_plan
 from keel.kg.store import MemoryStore
 from keel.types import Task
@@ -51,11 +52,11 @@ def read_triples(path: str | Path) -> Iterator[tuple[str, str, str]]:
             if separator is None:
                 separator = "\t" if "\t" in line else "|" if "|" in line else None
                 if separator is None:
-                    raise ValueError(f"{path}:{lineno}: neither a tab nor '|' separates the fields")
+                    raise UserError(f"{path}:{lineno}: neither a tab nor '|' separates the fields")
             fields = line.split(separator)
             if len(fields) != 3 or not all(fields):
                 shown = "tab" if separator == "\t" else "'|'"
-                raise ValueError(f"{path}:{lineno}: expected 3 non-empty {shown}-separated fields, got {len(fields)}: {line[:80]!r}")
+                raise UserError(f"{path}:{lineno}: expected 3 non-empty {shown}-separated fields, got {len(fields)}: {line[:80]!r}")
             yield fields[0], fields[1], fields[2]
 
 
@@ -64,7 +65,7 @@ def load_store(path: str | Path | Iterable[str | Path]) -> MemoryStore:
     triples become names."""
     paths = [path] if isinstance(path, (str, Path)) else list(path)
     if not paths:
-        raise ValueError("load_store: no triple file given")
+        raise UserError("load_store: no triple file given")
 
     def all_triples() -> Iterator[tuple[str, str, str]]:
         for p in paths:
@@ -98,7 +99,7 @@ def load_tasks(path: str | Path, fmt: str = "auto", store=None, consistent_only:
         return _pathquestion_tasks(path, store)
     if fmt == "metaqa":
         return _metaqa_tasks(path, store, consistent_only)
-    raise ValueError(f"load_tasks: unknown format {fmt!r} for {path}; use one of {', '.join(FORMATS)} or auto")
+    raise UserError(f"load_tasks: unknown format {fmt!r} for {path}; use one of {', '.join(FORMATS)} or auto")
 
 
 def _detect_format(path: Path) -> str:
@@ -112,7 +113,7 @@ def _detect_format(path: Path) -> str:
         try:
             record = json.loads(first)
         except json.JSONDecodeError:
-            raise ValueError(f"load_tasks: cannot tell the format of {path}: its first line is not one JSON record; pass fmt=") from None
+            raise UserError(f"load_tasks: cannot tell the format of {path}: its first line is not one JSON record; pass fmt=") from None
         if "relation_path" in record:
             return "metaqa"
         if "ID" in record:
@@ -121,7 +122,7 @@ def _detect_format(path: Path) -> str:
             return "keel"
     elif len(first.split("\t")) == 3 and "#" in first.split("\t")[2]:
         return "pathquestion"
-    raise ValueError(f"load_tasks: cannot tell the format of {path}; pass fmt= one of {', '.join(FORMATS)}")
+    raise UserError(f"load_tasks: cannot tell the format of {path}; pass fmt= one of {', '.join(FORMATS)}")
 
 
 def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -132,10 +133,10 @@ def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         try:
             records = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         for k, record in enumerate(records):
             if not isinstance(record, dict):
-                raise ValueError(f"{path}: item {k} is not a JSON object")
+                raise UserError(f"{path}: item {k} is not a JSON object")
             yield k, record
         return
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -144,9 +145,9 @@ def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{path}:{lineno}: not a JSON object")
+            raise UserError(f"{path}:{lineno}: not a JSON object")
         yield lineno, record
 
 
@@ -181,7 +182,7 @@ def _cwq_task(record: dict[str, Any], path: Path, where: int) -> Task:
             },
         )
     except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{path}: CWQ record {where} lacks a field or has a wrong type ({type(exc).__name__}: {exc})") from None
+        raise UserError(f"{path}: CWQ record {where} lacks a field or has a wrong type ({type(exc).__name__}: {exc})") from None
 
 
 def _parse_pathquestion_answers(field: str) -> list[str]:
@@ -213,13 +214,13 @@ def _pathquestion_tasks(path: Path, store) -> list[Task]:
                 continue
             fields = line.split("\t")
             if len(fields) != 3:
-                raise ValueError(f"{path}:{lineno}: expected question, answers and path separated by tabs, got {len(fields)} fields")
+                raise UserError(f"{path}:{lineno}: expected question, answers and path separated by tabs, got {len(fields)} fields")
             question, answer_field, path_field = fields[0].strip(), fields[1].strip(), fields[2].strip()
             chain = path_field.split("#")
             if "<end>" in chain:
                 chain = chain[: chain.index("<end>")]
             if len(chain) < 3 or len(chain) % 2 == 0:
-                raise ValueError(f"{path}:{lineno}: gold path {path_field[:80]!r} is not topic#relation#entity[#relation#entity...]")
+                raise UserError(f"{path}:{lineno}: gold path {path_field[:80]!r} is not topic#relation#entity[#relation#entity...]")
             answers = _parse_pathquestion_answers(answer_field)
             topic = chain[0]
             hops, turns, triples = [], [], []
@@ -278,5 +279,5 @@ def _metaqa_tasks(path: Path, store, consistent_only: bool) -> list[Task]:
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{lineno}: MetaQA record lacks a field or has a wrong type ({type(exc).__name__}: {exc})") from None
+            raise UserError(f"{path}:{lineno}: MetaQA record lacks a field or has a wrong type ({type(exc).__name__}: {exc})") from None
     return tasks
