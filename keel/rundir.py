@@ -271,7 +271,7 @@ def append_jsonl(path: Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(_clean(obj), ensure_ascii=False) + "\n"
-    with open(path, "a") as f:
+    with open(path, "a", encoding="utf-8") as f:
         f.write(line)
         f.flush()
         os.fsync(f.fileno())
@@ -308,13 +308,18 @@ def iter_jsonl_strict(path: Path, what: str = "data file"):
     if not path.exists():
         raise FileNotFoundError(f"{what} not found: {path}")
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+                yield lineno, record
+        except UnicodeDecodeError:
+            raise UserError(f"{what} {path}: not UTF-8 text (after line {lineno})") from None
 
 
 def truncate_jsonl_lines(path: Path, n: int) -> None:

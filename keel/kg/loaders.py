@@ -36,6 +36,25 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8")
 
 
+def _readable(path: Path, what: str):
+    """Turn a decoding failure while reading `path` into one UserError naming the file: Keel
+    reads UTF-8 text (plain or gzipped); a binary or Latin-1 file is said to be one."""
+
+    class Guard:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, exc, tb):
+            if isinstance(exc, UnicodeDecodeError):
+                raise UserError(f"{what} {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start} of a "
+                                "read block); Keel reads UTF-8 files, plain or gzipped") from None
+            if isinstance(exc, (EOFError, gzip.BadGzipFile, OSError)) and not isinstance(exc, FileNotFoundError):
+                raise UserError(f"{what} {path} cannot be read ({type(exc).__name__}: {exc})") from None
+            return False
+
+    return Guard()
+
+
 # --- triples ---------------------------------------------------------------------------------
 def read_triples(path: str | Path) -> Iterator[tuple[str, str, str]]:
     """(head, relation, tail) from a `head\\trelation\\ttail` or `head|relation|tail` file,
@@ -44,8 +63,10 @@ def read_triples(path: str | Path) -> Iterator[tuple[str, str, str]]:
     fields raises ValueError naming the file and line number."""
     path = Path(path)
     separator: str | None = None
-    with _open_text(path) as f:
+    with _readable(path, "triples file"), _open_text(path) as f:
         for lineno, line in enumerate(f, 1):
+            if "\x00" in line:
+                raise UserError(f"{path}:{lineno}: a NUL byte: this is a binary file, not triples text")
             line = line.rstrip("\r\n")
             if not line.strip():
                 continue
@@ -89,6 +110,11 @@ def load_tasks(path: str | Path, fmt: str = "auto", store=None, consistent_only:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"load_tasks: no such file: {path}")
+    with _readable(path, "questions file"):
+        return _load_tasks(path, fmt, store, consistent_only)
+
+
+def _load_tasks(path: Path, fmt: str, store, consistent_only: bool) -> list[Task]:
     if fmt == "auto":
         fmt = _detect_format(path)
     if fmt == "keel":
@@ -104,9 +130,14 @@ def load_tasks(path: str | Path, fmt: str = "auto", store=None, consistent_only:
 
 def _detect_format(path: Path) -> str:
     with _open_text(path) as f:
-        head = f.read(65536)
-    first = next((line for line in head.splitlines() if line.strip()), "")
-    stripped = head.lstrip()
+        first = ""
+        for line in f:  # the whole first non-blank line, however long (a 1 MB question is still one record)
+            if line.strip():
+                first = line.rstrip("\r\n")
+                break
+    if "\x00" in first:
+        raise UserError(f"load_tasks: {path} holds NUL bytes: a binary file, not questions")
+    stripped = first.lstrip()
     if stripped.startswith("["):
         return "cwq"  # ToG's and the original CWQ files are JSON lists; Keel and MetaQA are JSON lines
     if stripped.startswith("{"):
