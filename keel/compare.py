@@ -189,6 +189,8 @@ def read_eval(path: Path) -> dict[str, dict[str, float]]:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise UserError(f"{where}: {name} must be a finite number, got {value!r}")
             record[name] = float(value)
+        if isinstance(row.get("question_hash"), str):  # question + gold answers (keel.evaluate.question_hash)
+            record["question_hash"] = row["question_hash"]
         out[task_id] = record
     if not out:
         raise UserError(f"{path}: no questions")
@@ -251,6 +253,18 @@ def _names(run_dirs: list[Path], names: list[str] | None) -> list[str]:
     return [b if base.count(b) == 1 else f"{d.resolve().parent.name}/{b}" for b, d in zip(base, run_dirs)]
 
 
+def check_same_questions(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], name_a: str, name_b: str) -> None:
+    """Paired tests pair questions by id; refuse two eval files in which one id names two
+    different questions (runs on different data whose ids happen to coincide, e.g. q1, q2...).
+    Files written before question hashes were recorded cannot be checked and pass."""
+    differ = [k for k in a.keys() & b.keys() if "question_hash" in a[k] and "question_hash" in b[k]
+              and a[k]["question_hash"] != b[k]["question_hash"]]
+    if differ:
+        raise UserError(f"compare: {name_a} and {name_b} share question ids but not questions ({len(differ)} of "
+                        f"{len(a.keys() & b.keys())} common ids differ, e.g. {sorted(differ)[0]!r}): they were evaluated on "
+                        "different data, so a paired test would pair unrelated questions")
+
+
 def compare_runs(
     run_dirs: Iterable[str | os.PathLike],
     out: str | os.PathLike | None = None,
@@ -286,6 +300,7 @@ def compare_runs(
         runs.append({"name": label, "dir": str(d), "step": step, "file": str(path), "n": len(q), "metrics": summarise(q)})
     tests: list[dict[str, Any]] = []
     for (i, a), (j, b) in combinations(enumerate(runs), 2):
+        check_same_questions(questions[i], questions[j], a["file"], b["file"])
         for name in PAIRED_FIELDS:
             pair = paired_lift(questions[i], questions[j], name, exact_below)  # "lost" = right in a only
             if not pair["n"]:

@@ -48,3 +48,12 @@ def os_error_message(exc: OSError, doing: str = "") -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         text += " (the disk is full: free space, then continue with `keel train --resume RUN_DIR` if a run was interrupted)"
     return text
+
+
+class Aborted(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM while the first one's step was being finished: stop at once.
+    The CLI exits with 128 + `signum` (130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

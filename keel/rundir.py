@@ -84,6 +84,11 @@ class RunDirLock:
         return False
 
 
+def is_empty_dir(path: Path) -> bool:
+    """A directory with nothing in it but (perhaps) a lock file: a new run may be made there."""
+    return all(p.name == LOCK_FILE for p in Path(path).iterdir())
+
+
 def _existing_ancestor(path: Path) -> Path:
     p = path.absolute()
     while not p.exists() and p != p.parent:
@@ -145,9 +150,8 @@ def claim_run_dir(path: Path) -> RunDirLock:
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise RunDirError(f"run directory {path} exists and is not a directory; choose another --out")
-    if path.is_dir() and any(path.iterdir()):
-        what = "is in use by another keel process" if (path / LOCK_FILE).exists() and len(list(path.iterdir())) == 1 else "already exists and is not empty"
-        raise RunDirError(f"run directory {path} {what}; choose another --out or use --resume {path}")
+    if path.is_dir() and not is_empty_dir(path):
+        raise RunDirError(f"run directory {path} already exists and is not empty; choose another --out or use --resume {path}")
     _check_free_space(path)
     created: list[Path] = []
     existed_empty = path.is_dir()
@@ -342,3 +346,74 @@ def swap_dir(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     if old.exists():
         shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint integrity (resume)
+# ---------------------------------------------------------------------------------------------
+def checkpoint_problem(ck: Path) -> str | None:
+    """What is wrong with checkpoint directory `ck`, or None if every file is whole: trainer_state.json
+    parses, model.safetensors' header and size agree (a truncated copy does not), each .pt is a
+    complete zip archive (torch.save's format; a truncated one has no central directory). Reads
+    headers only, not the weights."""
+    import struct
+    import zipfile
+
+    state = ck / "trainer_state.json"
+    if not state.exists():
+        return "no trainer_state.json (an incomplete checkpoint)"
+    try:
+        json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"trainer_state.json is not valid JSON ({type(e).__name__})"
+    weights = ck / "model.safetensors"
+    if weights.exists():
+        try:
+            with open(weights, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            if weights.stat().st_size < 8 + n + end:
+                return f"model.safetensors is truncated ({weights.stat().st_size} bytes, its header needs {8 + n + end})"
+        except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+            return f"model.safetensors is unreadable ({type(e).__name__})"
+    for pt in sorted(ck.glob("*.pt")):
+        if not zipfile.is_zipfile(pt):
+            return f"{pt.name} is truncated or not a torch file"
+    return None
+
+
+def usable_checkpoint(latest: Path) -> Path | None:
+    """Check checkpoints/latest before a resume loads it. Whole: returned as it is. Corrupt,
+    with a whole `latest.old` (a kill between swap_dir's renames leaves one): the corrupt copy is
+    kept as `latest.corrupt` and `.old` takes its place. Corrupt with nothing to fall back on: a
+    RunDirError that says what to do. Missing (killed before the first checkpoint): None."""
+    latest = Path(latest)
+    old = latest.with_name(latest.name + ".old")
+    if not latest.exists() and not old.exists():
+        return None
+    problem = checkpoint_problem(latest) if latest.exists() else "missing"
+    if problem is None:
+        reference = latest.with_name("reference")  # the KL reference an RL-phase resume loads
+        bad = checkpoint_problem(reference) if (reference / "model.safetensors").exists() else None
+        if bad is not None:
+            run = latest.parent.parent
+            raise RunDirError(f"checkpoint {reference} is corrupt ({bad}); the RL phase cannot continue without it: delete "
+                              f"{latest} and run `keel train --resume {run}` again to restart from step 0")
+        return latest
+    if old.exists() and checkpoint_problem(old) is None:
+        if latest.exists():
+            aside = latest.with_name(latest.name + ".corrupt")
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.replace(latest, aside)
+            print(f"[keel] warning: {latest} is corrupt ({problem}); resuming from {old.name} (the corrupt copy is kept as {aside.name})", flush=True)
+        os.replace(old, latest)
+        return latest
+    if not latest.exists():
+        return None
+    run, peak = latest.parent.parent, latest.with_name("peak")
+    keep = (f"; to keep its training, start a new run from its peak weights with --set model.name={peak}"
+            if checkpoint_problem(peak) is None and (peak / "model.safetensors").exists() else "")
+    raise RunDirError(f"checkpoint {latest} is corrupt ({problem}) and there is no intact {old.name} to fall back on; to restart {run} "
+                      f"from step 0, delete {latest} and run `keel train --resume {run}` again{keep}")

@@ -41,7 +41,7 @@ from keel.losses import aggregate, clipped_surrogate, group_advantages, kl_estim
 from keel.memory import release_free_memory, set_mmap_threshold
 from keel.models import DTYPES, LoRA, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
-from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, create_run_dir, swap_dir, truncate_jsonl_lines, write_jsonl
+from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, swap_dir, truncate_jsonl_lines, write_jsonl
 from keel.sft import SFTExample, decompose, gold_trajectory
 from keel.signals.schedule import supervision_backward
 from keel.types import Source, Trajectory
@@ -296,41 +296,69 @@ class Progress:
 
 
 class Interrupted:
-    """SIGINT sets the flag; the loop finishes its step, checkpoints and exits cleanly."""
+    """SIGINT or SIGTERM (`kill`, `docker stop`, a scheduler's pre-emption) sets the flag; the
+    loop finishes its step, checkpoints, writes summary.json and returns; the CLI then exits
+    with 128 + the signal's number (130, 143). A second signal aborts at once (`Aborted`)."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
 
     def __init__(self):
         self.flag = False
-        self._old = None
+        self.signal_name: str | None = None  # which signal set the flag
+        self._old: dict[int, Any] = {}
 
     def __enter__(self):
         import signal
 
-        def handler(signum, frame):
-            if self.flag:  # a second Ctrl-C aborts at once
-                raise KeyboardInterrupt
-            self.flag = True
-            print("\n[keel] interrupt: finishing this step, then checkpointing (Ctrl-C again to abort)", flush=True)
+        from keel.errors import Aborted
 
-        try:
-            self._old = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not in the main thread
-            self._old = None
+        def handler(signum, frame):
+            name = signal.Signals(signum).name
+            if self.flag:  # a second signal aborts at once
+                raise Aborted(signum)
+            self.flag, self.signal_name = True, name
+            print(f"\n[keel] {name}: finishing this step, then checkpointing (send it again to abort)", flush=True)
+
+        for name in self.SIGNALS:
+            num = getattr(signal, name)
+            try:
+                self._old[num] = signal.signal(num, handler)
+            except ValueError:  # not in the main thread
+                pass
         return self
 
     def __exit__(self, *exc):
         import signal
 
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for num, old in self._old.items():
+            signal.signal(num, old)
+        self._old = {}
         return False
 
 
-def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | None = None) -> dict[str, Any]:
+def _on_main(fn, ctx: DistContext):
+    """fn() on rank 0; a UserError it raises is raised on every rank (none waits forever)."""
+    problem = None
+    if ctx.is_main:
+        try:
+            fn()
+        except UserError as e:
+            problem = e
+    problem = broadcast_object(problem, ctx) if ctx.enabled else problem
+    if problem is not None:
+        raise problem
+
+
+def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | None = None, lock=None, prepared=None) -> dict[str, Any]:
     """Run the whole job into the new directory `out_dir` (or continue it with `resume`);
     returns summary.json's content. Under `torchrun` / `accelerate launch` every process calls
-    this with the same arguments (see keel.distributed): rank 0 writes the run directory."""
+    this with the same arguments (see keel.distributed): rank 0 writes the run directory.
+    `lock`: the caller's keel.rundir.RunDirLock on `out_dir` (else this call takes one for the
+    run and, if the run fails before logging a step, deletes what it created). `prepared`:
+    (env, train tasks, dev tasks) the caller already loaded (else keel.tasks.prepare)."""
     from keel.config import to_dict
     from keel.rewards import REWARDS
+    from keel.rundir import claim_run_dir, lock_run_dir, usable_checkpoint
     from keel.trackers import make_tracker
 
     ctx = ctx if ctx is not None else init_distributed()
@@ -339,28 +367,46 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
         check_distributed_config(cfg, ctx)
     if cfg.reward.name not in REWARDS:
         raise UserError(f"reward.name: unknown reward {cfg.reward.name!r} (known: {', '.join(sorted(REWARDS))})")
-    if resume:
-        if not (out_dir / "config.yaml").exists():
-            raise RunDirError(f"--resume {out_dir}: no config.yaml (not a Keel run directory)")
-        run = out_dir
-    else:
-        run = out_dir
-        if ctx.is_main:
-            create_run_dir(out_dir)
-            atomic_write_text(run / "config.yaml", dump_yaml(cfg))
-        barrier(ctx)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    if cfg.run.malloc_mmap_threshold_mb:
-        if not set_mmap_threshold(cfg.run.malloc_mmap_threshold_mb) and ctx.is_main:
-            print("[keel] warning: run.malloc_mmap_threshold_mb has no effect here (no glibc mallopt)", flush=True)
-    # fails here, before training, if a package is missing; other ranks log nothing
-    tracker = make_tracker(cfg.report_to if ctx.is_main else [], run, config=to_dict(cfg), run_name=run.name)
+    if resume and not (out_dir / "config.yaml").exists():
+        raise RunDirError(f"--resume {out_dir}: no config.yaml (not a Keel run directory)")
+    run, own = out_dir, []
+    if lock is None:  # one process owns the directory for the whole run
+        _on_main(lambda: own.append(lock_run_dir(run) if resume else claim_run_dir(run)), ctx)
     try:
-        with Interrupted() as interrupted:
-            return Trainer(cfg, run, REWARDS[cfg.reward.name], tracker, interrupted, ctx).run(resume)
+        if resume:
+            def check_and_record():
+                usable_checkpoint(run / "checkpoints" / "latest")  # corrupt latest: fall back to .old, or say what to do
+                text = dump_yaml(cfg)
+                if (run / "config.yaml").read_text(encoding="utf-8") != text:  # --set on resume is part of the run from now on
+                    atomic_write_text(run / "config.yaml", text)
+            _on_main(check_and_record, ctx)
+        else:
+            if ctx.is_main:
+                atomic_write_text(run / "config.yaml", dump_yaml(cfg))
+            barrier(ctx)
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        if cfg.run.malloc_mmap_threshold_mb:
+            if not set_mmap_threshold(cfg.run.malloc_mmap_threshold_mb) and ctx.is_main:
+                print("[keel] warning: run.malloc_mmap_threshold_mb has no effect here (no glibc mallopt)", flush=True)
+        if not cfg.run.progress:  # transformers' own bars ("Writing model shards") follow run.progress too
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        # fails here, before training, if a package is missing; other ranks log nothing
+        tracker = make_tracker(cfg.report_to if ctx.is_main else [], run, config=to_dict(cfg), run_name=run.name)
+        try:
+            with Interrupted() as interrupted:
+                return Trainer(cfg, run, REWARDS[cfg.reward.name], tracker, interrupted, ctx, prepared).run(resume)
+        finally:
+            tracker.close()
+    except BaseException:
+        if own and not resume:
+            own[0].discard_if_fresh()
+        raise
     finally:
-        tracker.close()
+        if own:
+            own[0].release()
 
 
 def check_distributed_config(cfg: Config, ctx: DistContext) -> None:
@@ -381,7 +427,7 @@ class Trainer:
     """Holds the run's objects; `run()` is the loop, top to bottom. Not a base class: a
     supervision signal changes what goes into the losses, not this structure."""
 
-    def __init__(self, cfg: Config, run: Path, reward_fn, tracker, interrupted: Interrupted, ctx: DistContext | None = None):
+    def __init__(self, cfg: Config, run: Path, reward_fn, tracker, interrupted: Interrupted, ctx: DistContext | None = None, prepared=None):
         from keel import tasks as task_builder
         from keel.diagnostics.detectors import Detectors
         from keel.diagnostics.telemetry import ControlFrequencyBaseline
@@ -402,7 +448,7 @@ class Trainer:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         for main_turn in (True, False):  # rank 0 writes run/data (synthetic data) before the others read it
             if self.ctx.is_main == main_turn:
-                self.env, self.train_tasks, dev_tasks = task_builder.build(cfg, run)
+                self.env, self.train_tasks, dev_tasks = prepared or task_builder.prepare(cfg, run, self.tok)
             barrier(self.ctx)
         self.dev = dev_tasks[: cfg.eval.n_dev]
         self.tasks_by_id = {t.id: t for t in self.train_tasks + self.dev}
@@ -977,12 +1023,14 @@ class Trainer:
     def finish(self, interrupted: bool = False) -> dict[str, Any]:
         p = self.p
         s = p.summary
-        s["eval_final"] = p.last_eval if p.last_eval is not None else s.get("eval_after_sft") or s.get("eval_before_sft")
+        # the final evaluation of a finished run; an interrupted one has none yet (not the pre-SFT one)
+        s["eval_final"] = None if interrupted else p.last_eval if p.last_eval is not None else s.get("eval_after_sft") or s.get("eval_before_sft")
         s["peak"] = p.peak if p.peak["step"] is not None else None
         s["steps"] = p.step
         s["grpo_steps_done"] = p.rl_done
         s["phase"] = p.phase
         s["interrupted"] = interrupted
+        s["interrupted_by"] = self.interrupted.signal_name if interrupted else None  # SIGINT | SIGTERM
         lift = self.rl_lift() if self.ctx.is_main else None
         if lift is not None:
             s.update(lift)
