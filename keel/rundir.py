@@ -70,9 +70,9 @@ class RunDirLock:
         self.release()
 
     def discard_if_fresh(self) -> None:
-        """`discard()` unless the run logged something (metrics.jsonl exists): a run with a step
-        done is resumable and is kept; in any case the lock is released."""
-        if self.fd is not None and not (self.path / "metrics.jsonl").exists():
+        """`discard()` unless the run logged something (a complete metrics line): a run with a
+        step done is resumable and is kept; in any case the lock is released."""
+        if self.fd is not None and not read_jsonl(self.path / "metrics.jsonl"):
             self.discard()
         self.release()
 
@@ -248,12 +248,34 @@ def atomic_write_text(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        _name_file(e, path)
         raise
+
+
+def _name_file(e: BaseException, path: Path) -> None:
+    """An OSError from write/fsync carries no file name (ENOSPC says only "No space left on
+    device"): give it the file being written, for the one-line error."""
+    if isinstance(e, OSError) and e.filename is None:
+        e.filename = str(path)
+
+
+def disk_full(exc: BaseException, path: Path) -> OSError | None:
+    """An ENOSPC OSError naming `path` if `exc` (from a writer that does not say so itself:
+    safetensors raises SafetensorError, torch.save a RuntimeError) came from a full disk."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return exc
+    try:
+        full = "No space left on device" in str(exc) or shutil.disk_usage(_existing_ancestor(Path(path))).free < 1024 * 1024
+    except OSError:
+        full = False
+    return OSError(errno.ENOSPC, "No space left on device", str(path)) if full else None
 
 
 def _clean(v: Any) -> Any:
@@ -275,10 +297,14 @@ def append_jsonl(path: Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(_clean(obj), ensure_ascii=False) + "\n"
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        _name_file(e, path)
+        raise
 
 
 def write_jsonl(path: Path, rows: Iterable[Any]) -> None:

@@ -247,13 +247,24 @@ def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, An
 
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    for name, obj in (extra or {}).items():
-        torch.save(obj, tmp / name)
-    atomic_write_json(tmp / "trainer_state.json", state)  # written last: its presence marks a complete checkpoint
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        for name, obj in (extra or {}).items():
+            torch.save(obj, tmp / name)
+        atomic_write_json(tmp / "trainer_state.json", state)  # written last: its presence marks a complete checkpoint
+    except Exception as exc:  # a full disk: say so (safetensors and torch.save do not), free the partial copy
+        from keel.rundir import disk_full
+
+        full = disk_full(exc, tmp)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from None
+        raise
     swap_dir(tmp, path)
 
 
