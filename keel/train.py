@@ -364,8 +364,8 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
     """Run the whole job into the new directory `out_dir` (or continue it with `resume`);
     returns summary.json's content. Under `torchrun` / `accelerate launch` every process calls
     this with the same arguments (see keel.distributed): rank 0 writes the run directory.
-    `lock`: the caller's keel.rundir.RunDirLock on `out_dir` (else this call takes one for the
-    run and, if the run fails before logging a step, deletes what it created). `prepared`:
+    `lock`: the caller's keel.rundir.RunDirLock on `out_dir` (else, in one process, this call
+    takes one for the run and, if the run fails before logging a step, deletes what it created). `prepared`:
     (env, train tasks, dev tasks) the caller already loaded (else keel.tasks.prepare)."""
     from keel.config import to_dict
     from keel.rewards import REWARDS
@@ -381,8 +381,8 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
     if resume and not (out_dir / "config.yaml").exists():
         raise RunDirError(f"--resume {out_dir}: no config.yaml (not a Keel run directory)")
     run, own = out_dir, []
-    if lock is None:  # one process owns the directory for the whole run
-        _on_main(lambda: own.append(lock_run_dir(run) if resume else claim_run_dir(run)), ctx)
+    if lock is None and not ctx.enabled:  # one process owns the directory for the whole run (under torchrun: the CLI's rank 0)
+        own.append(lock_run_dir(run) if resume else claim_run_dir(run))
     try:
         if resume:
             def check_and_record():
