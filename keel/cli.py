@@ -1,7 +1,9 @@
 """The `keel` command: train, sweep, eval, data, diagnose, report, compare.
 
-Every user error (bad config key, missing file, existing run directory) ends with one line
-`keel: error: ...` and exit status 2; nothing half-written is left behind.
+Every user error (keel.errors.UserError, or an OSError about the user's files and disk: a bad
+config value, an unreadable input, a run directory in use, a full disk, a failing endpoint) ends
+with one line `keel: error: ...` and exit status 2, and leaves no directory that was not there
+before. A run stopped by SIGINT / SIGTERM exits 130 / 143 after checkpointing (`exit_status`).
 """
 
 from __future__ import annotations
@@ -242,7 +244,11 @@ def preflight(cfg, distributed: bool = False):
     from keel import tasks as task_builder
     from keel.models import check_model_name, load_tokenizer
 
+    from keel.rewards import REWARDS
+
     check_model_name(cfg.model.name, "model.name")
+    if cfg.reward.name not in REWARDS:
+        raise UserError(f"reward.name: unknown reward {cfg.reward.name!r} (known: {', '.join(sorted(REWARDS))})")
     if cfg.signals.self_distill.trajectories and not Path(cfg.signals.self_distill.trajectories).is_file():
         raise task_builder.DataError(f"signals.self_distill.trajectories: file not found: {cfg.signals.self_distill.trajectories} (make it with `keel distill`)")
     if distributed:  # every rank loads the data itself, after rank 0 wrote it (see Trainer)
@@ -445,8 +451,10 @@ def _fc_eval(args) -> dict:
         policy = factory
     if args.env == "acebench" and not args.data:
         raise UserError("eval --env acebench needs --data DIR (ACEBench's data_en directory)")
+    from keel.endpoint import EndpointError
+
     return evaluate_fc(args.env, policy, data=args.data, categories=categories, out_dir=args.out, call_formats=formats,
-                       heldout_classes=heldout, limit=args.limit or None)
+                       heldout_classes=heldout, limit=args.limit or None, recover=(EndpointError,) if args.policy == "endpoint" else ())
 
 
 def _data(args) -> int:

@@ -123,8 +123,13 @@ def evaluate_fc(
     call_formats: tuple[str, ...] = ("json",),
     heldout_classes: tuple[str, ...] = (),
     limit: int | None = None,
+    recover: tuple[type[BaseException], ...] = (),
 ) -> dict[str, Any]:
     """Run `policy` on every task of `env_name` and write out_dir/summary.json + results.jsonl.
+
+    recover: exception types (an endpoint's EndpointError) that fail one task, not the whole
+    evaluation, once some task has run: the task is scored 0 with its `error`; before any has,
+    they are raised (as keel.evaluate.evaluate_text_policy does).
 
     data: Tasks, or (ACEBench) the directory holding data_<category>.json; None = BFCL's packaged
     data / ACEBench sample. categories: default all four BFCL multi-turn categories / all ACEBench
@@ -139,12 +144,22 @@ def evaluate_fc(
         raise UserError("call_formats must name at least one format")
     tasks = _load_tasks(env_name, data, categories, limit)
     rows: list[dict[str, Any]] = []
+    ran = 0
     for fmt in call_formats:
         fn = resolve_policy(policy, fmt)
         for task in tasks:
             env = _env_for(env_name, task, fmt)
-            episode, info = run_fc_episode(env, task, fn, _max_turns(task))
             ood = bool(set(task_classes(task)) & set(heldout_classes))
+            try:
+                episode, info = run_fc_episode(env, task, fn, _max_turns(task))
+            except recover as exc:
+                if not ran:
+                    raise
+                rows.append({"id": task.id, "category": task.kind, "call_format": fmt, "content_split": "ood" if ood else "id",
+                             "valid": False, "score": 0.0, "error_type": "request_error", "error": str(exc), "assistant_turns": 0,
+                             "num_calls": 0, "truncated": False})
+                continue
+            ran += 1
             rows.append(
                 {
                     "id": task.id,
@@ -160,6 +175,8 @@ def evaluate_fc(
                 }
             )
     summary = summarise(env_name, rows, call_formats, bool(heldout_classes))
+    if recover:
+        summary["request_errors"] = sum(1 for r in rows if "error" in r)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
