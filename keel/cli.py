@@ -495,7 +495,7 @@ def _distill(args) -> int:
     env, train_tasks, _ = task_builder.build(cfg, None)
     if args.limit:
         train_tasks = train_tasks[: args.limit]
-    model, tok = load_model(args.checkpoint)
+    model, tok = load_model(args.checkpoint, what="--checkpoint")
     params = SamplingParams(greedy=True, max_turns=cfg.rollout.max_turns, max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
     kept, counts = distill(model, tok, env, train_tasks, params, cfg.eval.batch_size)
     write_trajectories(out, kept)
