@@ -184,6 +184,10 @@ def _train(args) -> int:
                 shutil.move(str(staging / "data"), str(out / "data"))  # the synthetic data, for the record
         except Exception as e:
             problem = e
+        except BaseException:  # Ctrl-C while loading: nothing is left behind either
+            if lock is not None:
+                lock.discard()
+            raise
         finally:
             if staging is not None:
                 shutil.rmtree(staging, ignore_errors=True)
