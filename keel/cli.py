@@ -1,7 +1,9 @@
 """The `keel` command: train, sweep, eval, data, diagnose, report, compare.
 
-Every user error (bad config key, missing file, existing run directory) ends with one line
-`keel: error: ...` and exit status 2; nothing half-written is left behind.
+Every user error (keel.errors.UserError, or an OSError about the user's files and disk: a bad
+config value, an unreadable input, a run directory in use, a full disk, a failing endpoint) ends
+with one line `keel: error: ...` and exit status 2, and leaves no directory that was not there
+before. A run stopped by SIGINT / SIGTERM exits 130 / 143 after checkpointing (`exit_status`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import shutil
 import sys
 from pathlib import Path
+
+from keel.errors import UserError
 
 EPILOG_TRAIN = """examples:
   keel train configs/main.yaml                       # SmolLM2-135M, synthetic KG: SFT warm-start, then GRPO
@@ -64,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--base-url", default="", help="policy endpoint: server base URL, e.g. http://localhost:8000/v1")
     e.add_argument("--endpoint-model", default="", help="policy endpoint: model name sent to the server")
     e.add_argument("--api-key", default="", help="policy endpoint: API key (default: $OPENAI_API_KEY)")
+    e.add_argument("--timeout", type=float, default=60.0, help="policy endpoint: seconds one request may take in all (connect, headers, body)")
+    e.add_argument("--retries", type=int, default=2, help="policy endpoint: further attempts of a failed request (connection, timeout, 429/5xx), after 1, 2, 4... × --backoff s")
+    e.add_argument("--backoff", type=float, default=1.0, help="policy endpoint: seconds before the first retry (doubled after each)")
     e.add_argument("--call-formats", default="json", help="bfcl/acebench: call formats, the first in-distribution, the rest format-OOD (json, python, python_tagged)")
     e.add_argument("--heldout-classes", default="", help="bfcl: API classes held out as content-OOD, e.g. TravelAPI,TicketAPI")
     e.add_argument("--categories", default="", help="bfcl/acebench: comma-separated categories (default: all multi-turn / all)")
@@ -107,96 +114,201 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from keel.errors import USAGE, Aborted, user_message
+
     args = _parser().parse_args(argv)
     if not args.command:
         _parser().print_help()
         return 0
     try:
         return COMMANDS[args.command](args)
+    except Aborted as e:  # a second SIGINT/SIGTERM: stopped mid-step, the last checkpoint stands
+        print("keel: aborted", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("keel: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, FileExistsError, PermissionError, KeyError, RuntimeError, OSError) as e:
-        from keel.config import ConfigError
-        from keel.rundir import RunDirError
-        from keel.tasks import DataError
+    except Exception as e:
+        msg = user_message(e)  # a UserError, or an OSError about the user's files and disk
+        if msg is None:
+            raise  # a bug: keep the traceback
+        print(f"keel: error: {msg}", file=sys.stderr)
+        return USAGE
 
-        known = (ConfigError, RunDirError, DataError, FileNotFoundError, FileExistsError, PermissionError)
-        if isinstance(e, known) or type(e) is ValueError:
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            print(f"keel: error: {msg}", file=sys.stderr)
-            return 2
-        raise
+
+def exit_status(summary: dict) -> int:
+    """0 for a run that ended; 128 + the signal's number for one a signal stopped (130 for
+    SIGINT, 143 for SIGTERM), as a shell reports a process the signal killed."""
+    import signal
+
+    name = summary.get("interrupted_by") if summary.get("interrupted") else None
+    return 128 + int(getattr(signal, name, signal.SIGINT)) if summary.get("interrupted") else 0
+
+
+def _print_summary(summary: dict, run: Path) -> None:
+    keys = ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s", "interrupted_by")
+    print(json.dumps({k: summary[k] for k in keys if summary.get(k) is not None}, indent=2))
+    print(f"[keel] run directory: {run}")
 
 
 def _train(args) -> int:
     from keel.config import describe, load_config
-    from keel.rundir import create_run_dir, default_run_dir
+    from keel.errors import UserError
 
     if args.help_config:
         print(describe())
         return 0
     if args.resume:
-        run = Path(args.resume)
-        if not (run / "config.yaml").exists():
-            raise FileNotFoundError(f"--resume {run}: no config.yaml (not a Keel run directory)")
         if args.config or args.smoke or args.out:
-            raise ValueError("--resume takes the run's own config.yaml; do not also give a preset, --smoke or --out")
+            raise UserError("--resume takes the run's own config.yaml; do not also give a preset, --smoke or --out")
+        run = Path(args.resume)
         summary = resume_run(run, args.overrides)
-        if os.environ.get("RANK", "0") != "0":
+        if os.environ.get("RANK", "0") != "0" or summary is None:
             return 0
-        print(json.dumps({k: summary[k] for k in ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s") if k in summary}, indent=2))
-        print(f"[keel] run directory: {run}")
-        return 0
+        _print_summary(summary, run)
+        return exit_status(summary)
     if not args.config:
-        raise ValueError("train: give a config preset, e.g. `keel train configs/main.yaml` (see --help)")
+        raise UserError("train: give a config preset, e.g. `keel train configs/main.yaml` (see --help)")
     cfg = load_config(args.config, args.overrides, smoke=args.smoke)
     name = Path(args.config).stem + ("-smoke" if args.smoke else "")
     from keel.distributed import broadcast_object, init_distributed
 
     ctx = init_distributed()  # one process unless started by torchrun / accelerate launch
-    out, problem = None, None
-    if ctx.is_main:  # rank 0 chooses and checks the run directory; the others are told the outcome
-        out = Path(args.out) if args.out else default_run_dir(cfg.run.out, name)
+    out, lock, prepared, staging, problem = None, None, None, None, None
+    if ctx.is_main:  # rank 0 checks everything it can, then makes and locks the run directory; the others are told the outcome
         try:
-            create_run_dir(out)  # refuse an existing run before loading anything
+            if args.out:
+                check_out(Path(args.out))
+            prepared, staging = preflight(cfg, distributed=ctx.enabled)
+            lock = _claim(Path(args.out) if args.out else None, cfg.run.out, name)
+            out = lock.path
+            if staging is not None and (staging / "data").exists():
+                shutil.move(str(staging / "data"), str(out / "data"))  # the synthetic data, for the record
         except Exception as e:
             problem = e
+        except BaseException:  # Ctrl-C while loading: nothing is left behind either
+            if lock is not None:
+                lock.discard()
+            raise
+        finally:
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
     out, problem = broadcast_object((out, problem), ctx)
     if problem is not None:
+        if lock is not None:
+            lock.discard()
         raise problem
     from keel.train import train
 
     try:
-        summary = train(cfg, out, ctx=ctx)
+        summary = train(cfg, out, ctx=ctx, lock=lock, prepared=prepared)
     except BaseException:
-        if ctx.is_main:
-            _remove_if_fresh(out)
+        if lock is not None:
+            lock.discard_if_fresh()  # a failure before the first logged step leaves nothing behind
         raise
+    finally:
+        if lock is not None:
+            lock.release()
     if not ctx.is_main:
         return 0
-    print(json.dumps({k: summary[k] for k in ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s") if k in summary}, indent=2))
-    print(f"[keel] run directory: {out}")
-    return 0
+    _print_summary(summary, out)
+    return exit_status(summary)
 
 
-def resume_run(run: Path, overrides: list[str] | None = None) -> dict:
-    """`keel train --resume RUN`: its own config.yaml (plus `overrides`), from checkpoints/latest.
-    `keel sweep` continues its interrupted runs through this same function."""
+def check_out(out: Path) -> None:
+    """--out must be a new or empty directory: refused before anything is loaded or made."""
+    from keel.rundir import RunDirError, is_empty_dir
+
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} exists and is not a directory; choose another --out")
+    if out.is_dir() and not is_empty_dir(out):
+        raise RunDirError(f"run directory {out} already exists and is not empty; choose another --out or use --resume {out}")
+
+
+def _claim(out: Path | None, parent: str, name: str):
+    """Lock --out, or the first free <run.out>/<preset>-<n> (another process taking one moves on to the next)."""
+    from keel.rundir import RunDirError, claim_run_dir, default_run_dir
+
+    if out is not None:
+        return claim_run_dir(out)
+    for _ in range(100):
+        candidate = default_run_dir(parent, name)
+        try:
+            return claim_run_dir(candidate)
+        except RunDirError as e:
+            if not getattr(e, "taken", False):
+                raise
+    raise RunDirError(f"no free run directory under {parent}/{name}-N; give --out")
+
+
+def preflight(cfg, distributed: bool = False):
+    """What can fail before a run directory exists, run there: the model name, the trajectories
+    file, data loading (synthetic data into a staging dir), over-long prompts, gold replay.
+    Returns (env, train, dev) for `train(prepared=...)` and the staging dir (or None)."""
+    import tempfile
+
+    from keel import tasks as task_builder
+    from keel.models import check_model_name, load_tokenizer
+
+    from keel.rewards import resolve_reward
+
+    check_model_name(cfg.model.name, "model.name")
+    resolve_reward(cfg.reward.name)  # a key of REWARDS or the user's module:function, before any directory exists
+    if cfg.signals.self_distill.trajectories and not Path(cfg.signals.self_distill.trajectories).is_file():
+        raise task_builder.DataError(f"signals.self_distill.trajectories: file not found: {cfg.signals.self_distill.trajectories} (make it with `keel distill`)")
+    if distributed:  # every rank loads the data itself, after rank 0 wrote it (see Trainer)
+        return None, None
+    staging = Path(tempfile.mkdtemp(prefix="keel-staging-")) if cfg.data.source == "synthetic" and cfg.env.kind == "kg" else None
+    try:
+        tok = load_tokenizer(cfg.model.name, "model.name")
+        env, train_tasks, dev = task_builder.prepare(cfg, staging, tok)
+        task_builder.check_gold_replay(cfg, env, train_tasks, tok)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return (env, train_tasks, dev), staging
+
+
+def resume_run(run: Path, overrides: list[str] | None = None, announce: bool = True) -> dict | None:
+    """`keel train --resume RUN`: its own config.yaml (plus `overrides`, written back to it), from
+    checkpoints/latest. A finished run is left as it is (None; it says so). `keel sweep`
+    continues its interrupted runs through this same function."""
     from keel.config import load_config
+    from keel.rundir import RunDirError
     from keel.train import train
 
     run = Path(run)
+    if not run.is_dir():
+        raise RunDirError(f"--resume {run}: no such directory")
     if not (run / "config.yaml").exists():
-        raise FileNotFoundError(f"--resume {run}: no config.yaml (not a Keel run directory)")
+        raise RunDirError(f"--resume {run}: no config.yaml (not a Keel run directory)")
     cfg = load_config(run / "config.yaml", overrides or [])
+    done = finished(run, cfg)
+    if done:
+        if announce:
+            print(f"[keel] {run} is finished ({done}); nothing to resume. To train further: keel train --resume {run} --set grpo.steps=N")
+        return None
     return train(cfg, run, resume=True)
 
 
-def _remove_if_fresh(out: Path) -> None:
-    """A run that failed before writing any metrics leaves no directory behind."""
-    if out.exists() and not (out / "metrics.jsonl").exists():
-        shutil.rmtree(out, ignore_errors=True)
+def finished(run: Path, cfg) -> str | None:
+    """Why `run` needs no resume (its summary.json says it ended, and `cfg` asks no more GRPO
+    steps than it did), or None. Resuming it anyway would only rewrite summary.json."""
+    try:
+        s = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(s, dict) or s.get("phase") != "done" or s.get("interrupted") is not False:
+        return None
+    from keel.config import load_config
+
+    done = s.get("grpo_steps_done", 0)
+    if cfg.grpo.steps > max(done, load_config(run / "config.yaml").grpo.steps):
+        return None  # --set grpo.steps=N asks for more
+    if s.get("stopped_by_alert"):
+        return f"stopped by an alert at step {s['stopped_by_alert'].get('step')}"
+    return f"{done} GRPO steps done, grpo.steps={cfg.grpo.steps}"
 
 
 def _kg_tasks(args):
@@ -214,72 +326,106 @@ def _kg_tasks(args):
         if not kb.exists() or not split.exists():
             raise DataError(f"eval: dataset directory {data} needs kb.tsv and {split.name}")
         store, tasks = load_store(kb), load_tasks(split, "keel")
+        kb_name = kb
     else:
         if not args.kb:
             raise DataError("eval: --kb TRIPLES is required when --data is a questions file")
         if not Path(args.kb).exists():
             raise DataError(f"eval: --kb not found: {args.kb}")
         store = load_store(Path(args.kb))
+        kb_name = args.kb
         tasks = load_tasks(data, args.format, store=store)
+    if not store.num_triples:
+        raise DataError(f"the KB {kb_name} holds no triples")
     if args.limit:
         tasks = tasks[: args.limit]
     return store, tasks
 
 
 def _eval(args) -> int:
-    from keel.rundir import atomic_write_json, create_run_dir, write_jsonl
+    from keel.rundir import atomic_write_json, claim_run_dir, write_jsonl
 
     out = Path(args.out)
+    check_out(out)
     if args.config:
         if args.env or args.data or args.kb:
-            raise ValueError("eval --config takes its env and data from the preset; do not also give --env, --data or --kb")
-        create_run_dir(out)
-        try:
-            summary = _config_eval(args, out)
-        except BaseException:
-            _remove_if_fresh_eval(out)
-            raise
+            raise UserError("eval --config takes its env and data from the preset; do not also give --env, --data or --kb")
+        with claim_run_dir(out) as lock:
+            try:
+                summary = _config_eval(args, out)
+            except BaseException:
+                if not (out / "summary.json").exists():
+                    lock.discard()  # an evaluation that wrote no summary leaves no directory
+                raise
         print(json.dumps(summary, indent=2))
         return 0
     if args.overrides:
-        raise ValueError("eval --set needs --config")
+        raise UserError("eval --set needs --config")
     args.env = args.env or "kg"
     args.max_turns = args.max_turns or 5
     if args.env != "kg":
-        create_run_dir(out)
-        try:
-            summary = _fc_eval(args)
-        except BaseException:
-            _remove_if_fresh_eval(out)
-            raise
+        if args.policy == "endpoint":
+            _endpoint(args, None)
+        elif args.policy not in ("oracle", "null"):
+            from keel.models import check_model_name
+
+            check_model_name(args.policy, "--policy")
+        with claim_run_dir(out) as lock:
+            try:
+                summary = _fc_eval(args)
+            except BaseException:
+                if not (out / "summary.json").exists():
+                    lock.discard()
+                raise
         print(json.dumps(summary, indent=2))
         return 0
-    from keel.evaluate import evaluate_model, evaluate_text_policy
     from keel.kg.env import KGEnv
-    from keel.kg.oracle import null_policy, oracle_policy
 
     store, tasks = _kg_tasks(args)
-    create_run_dir(out)
+    if args.policy == "endpoint":
+        _endpoint(args, None)  # its arguments are checked before the directory exists
+    elif args.policy not in ("oracle", "null"):
+        from keel.models import check_model_name
+
+        check_model_name(args.policy, "--policy")
     env = KGEnv(store)
+    with claim_run_dir(out) as lock:
+        try:
+            summary, rows = _kg_eval(args, env, store, tasks)
+            write_jsonl(out / "results.jsonl", rows)
+            atomic_write_json(out / "summary.json", summary)
+        except BaseException:
+            if not (out / "summary.json").exists():
+                lock.discard()  # an evaluation that wrote no summary leaves no directory
+            raise
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _kg_eval(args, env, store, tasks) -> tuple[dict, list[dict]]:
+    from keel.evaluate import evaluate_model, evaluate_text_policy
+    from keel.kg.oracle import null_policy, oracle_policy
+
     if args.policy in ("oracle", "null", "endpoint"):
+        from keel.endpoint import EndpointError
+
         policy = {"oracle": oracle_policy, "null": null_policy}.get(args.policy) or _endpoint(args, lambda task: env.tools(task))
-        means, rows, trajs = evaluate_text_policy(env, tasks, policy, args.max_turns)
+        means, rows, trajs = evaluate_text_policy(env, tasks, policy, args.max_turns, recover=(EndpointError,),
+                                                  warn=lambda m: print(f"[keel] warning: {m}", file=sys.stderr, flush=True))
     else:
         from keel.models import load_model
         from keel.rollout import SamplingParams
 
-        model, tok = load_model(args.policy)
+        model, tok = load_model(args.policy, what="--policy")
         params = SamplingParams(greedy=True, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_total_tokens=4096)
         means, rows, trajs = evaluate_model(model, tok, env, tasks, params, args.batch_size)
     from keel.diagnostics.errors import decompose_errors
 
     errors = decompose_errors(trajs, tasks, store)  # paper B's error decomposition, by replaying gold paths
     summary = {**means, "n": len(rows), "policy": args.policy, "data": str(args.data),
+               "request_errors": sum(1 for r in rows if "error" in r),  # questions whose endpoint request failed (scored 0)
                "errors": {k: errors[k] for k in ("failed", "counts", "shares", "retrieval_dependent", "retrieval_shares")}}
-    write_jsonl(out / "results.jsonl", rows)
-    atomic_write_json(out / "summary.json", summary)
-    print(json.dumps(summary, indent=2))
-    return 0
+    return summary, rows
 
 
 def _config_eval(args, out: Path) -> dict:
@@ -349,15 +495,18 @@ def _endpoint(args, tools_for):
     """paper B's GPT-4o control: any OpenAI-compatible chat model through the same tool loop."""
     import os
 
-    from keel.endpoint import chat, hermes_messages
+    from keel.endpoint import chat, completions_url, hermes_messages
 
     if not args.base_url or not args.endpoint_model:
-        raise ValueError("eval --policy endpoint needs --base-url and --endpoint-model")
+        raise UserError("eval --policy endpoint needs --base-url and --endpoint-model")
+    completions_url(args.base_url)  # a bad URL fails before the run directory exists
+    if not args.timeout > 0 or args.retries < 0:
+        raise UserError(f"eval: --timeout must be > 0 and --retries ≥ 0, got {args.timeout} and {args.retries}")
     key = args.api_key or os.environ.get("OPENAI_API_KEY") or None
 
     def policy(task, messages):
         return chat(args.base_url, args.endpoint_model, hermes_messages(messages, tools_for(task)), api_key=key,
-                    max_tokens=args.max_new_tokens)
+                    max_tokens=args.max_new_tokens, timeout=args.timeout, retries=args.retries, backoff=args.backoff)
 
     return policy
 
@@ -378,21 +527,18 @@ def _fc_eval(args) -> dict:
             from keel.evaluate import model_text_policy
             from keel.models import load_model
 
-            model, tok = load_model(policy)
+            model, tok = load_model(policy, what="--policy")
 
             def factory(fmt):
                 return model_text_policy(model, tok, lambda task: _env_for(args.env, task, fmt).tools(task), args.max_new_tokens)
         factory.is_policy_factory = True
         policy = factory
     if args.env == "acebench" and not args.data:
-        raise ValueError("eval --env acebench needs --data DIR (ACEBench's data_en directory)")
+        raise UserError("eval --env acebench needs --data DIR (ACEBench's data_en directory)")
+    from keel.endpoint import EndpointError
+
     return evaluate_fc(args.env, policy, data=args.data, categories=categories, out_dir=args.out, call_formats=formats,
-                       heldout_classes=heldout, limit=args.limit or None)
-
-
-def _remove_if_fresh_eval(out: Path) -> None:
-    if out.exists() and not (out / "summary.json").exists():
-        shutil.rmtree(out, ignore_errors=True)
+                       heldout_classes=heldout, limit=args.limit or None, recover=(EndpointError,) if args.policy == "endpoint" else ())
 
 
 def _data(args) -> int:
@@ -406,12 +552,15 @@ def _data(args) -> int:
         from keel.evaluate import evaluate_text_policy
         from keel.kg.env import KGEnv
         from keel.kg.oracle import oracle_policy
+        from keel.tasks import DataError
 
         store, tasks = _kg_tasks(args)
+        if not tasks:
+            raise DataError(f"data check: {args.data} holds no questions")
         means, _, _ = evaluate_text_policy(KGEnv(store), tasks, oracle_policy, 8)
         print(json.dumps({"triples": getattr(store, "num_triples", None), "questions": len(tasks), "oracle": means}, indent=2))
         return 0
-    raise ValueError("data: choose an action: kg-synth | check (see `keel data --help`)")
+    raise UserError("data: choose an action: kg-synth | check (see `keel data --help`)")
 
 
 def _distill(args) -> int:
@@ -430,7 +579,7 @@ def _distill(args) -> int:
     env, train_tasks, _ = task_builder.build(cfg, None)
     if args.limit:
         train_tasks = train_tasks[: args.limit]
-    model, tok = load_model(args.checkpoint)
+    model, tok = load_model(args.checkpoint, what="--checkpoint")
     params = SamplingParams(greedy=True, max_turns=cfg.rollout.max_turns, max_new_tokens=cfg.rollout.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
     kept, counts = distill(model, tok, env, train_tasks, params, cfg.eval.batch_size)
     write_trajectories(out, kept)
@@ -438,12 +587,24 @@ def _distill(args) -> int:
     return 0
 
 
+def check_run_logged(run: Path, command: str) -> None:
+    """A verdict or a report needs a run that has logged something: refuse (writing nothing)
+    a missing directory, one that is not a run, or a run with no metrics line yet."""
+    from keel.rundir import RunDirError, read_jsonl
+
+    if not run.is_dir():
+        raise RunDirError(f"{command}: run directory not found: {run}")
+    if not (run / "config.yaml").exists():
+        raise RunDirError(f"{command}: {run} is not a Keel run directory (no config.yaml)")
+    if not read_jsonl(run / "metrics.jsonl"):
+        raise RunDirError(f"{command}: {run} has no metrics yet (metrics.jsonl is missing or empty): nothing to judge")
+
+
 def _diagnose(args) -> int:
     from keel.diagnostics.classify import diagnose, format_diagnosis
 
     run = Path(args.run_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"diagnose: run directory not found: {run}")
+    check_run_logged(run, "diagnose")
     print(format_diagnosis(diagnose(run)))
     return 0
 
@@ -452,8 +613,7 @@ def _report(args) -> int:
     from keel.report import write_report
 
     run = Path(args.run_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"report: run directory not found: {run}")
+    check_run_logged(run, "report")
     print(write_report(run))
     return 0
 

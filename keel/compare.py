@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from keel import metrics
+from keel.errors import UserError
 from keel.report import PALETTE, Line, escape, line_chart, load_run, page, read_jsonl, step_files, write_atomic
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -154,7 +155,7 @@ def _binary(value: Any, where: str, name: str) -> int:
         return int(value)
     if isinstance(value, (int, float)) and value in (0, 1):
         return int(value)
-    raise ValueError(f"{where}: {name} must be 0 or 1 (or true/false) per question, got {value!r}")
+    raise UserError(f"{where}: {name} must be 0 or 1 (or true/false) per question, got {value!r}")
 
 
 def read_eval(path: Path) -> dict[str, dict[str, float]]:
@@ -167,16 +168,16 @@ def read_eval(path: Path) -> dict[str, dict[str, float]]:
     rows, problems = read_jsonl(path)
     bad = [p for p in problems if "torn last line" not in p]
     if bad:
-        raise ValueError(f"{path}: {bad[0]}")
+        raise UserError(f"{path}: {bad[0]}")
     out: dict[str, dict[str, float]] = {}
     for number, row in enumerate(rows, start=1):
         where = f"{path}: row {number}"
         task_id = row.get("task_id")
         if not isinstance(task_id, (str, int)) or isinstance(task_id, bool):
-            raise ValueError(f"{where}: missing task_id")
+            raise UserError(f"{where}: missing task_id")
         task_id = str(task_id)
         if task_id in out:
-            raise ValueError(f"{where}: task_id {task_id!r} appears twice")
+            raise UserError(f"{where}: task_id {task_id!r} appears twice")
         record: dict[str, float] = {}
         for name in BINARY_FIELDS:
             if name in row and row[name] is not None:
@@ -186,11 +187,13 @@ def read_eval(path: Path) -> dict[str, dict[str, float]]:
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{where}: {name} must be a finite number, got {value!r}")
+                raise UserError(f"{where}: {name} must be a finite number, got {value!r}")
             record[name] = float(value)
+        if isinstance(row.get("question_hash"), str):  # question + gold answers (keel.evaluate.question_hash)
+            record["question_hash"] = row["question_hash"]
         out[task_id] = record
     if not out:
-        raise ValueError(f"{path}: no questions")
+        raise UserError(f"{path}: no questions")
     return out
 
 
@@ -199,7 +202,7 @@ def choose_eval(run_dir: Path, at: str | int = "final") -> tuple[int, Path]:
     earliest on ties), or a given step."""
     files = step_files(run_dir / "eval")
     if not files:
-        raise ValueError(f"{run_dir}: no per-question eval files (eval/step_*.jsonl)")
+        raise UserError(f"{run_dir}: no per-question eval files (eval/step_*.jsonl)")
     if at == "final":
         step = max(files)
     elif at == "peak":
@@ -211,10 +214,10 @@ def choose_eval(run_dir: Path, at: str | int = "final") -> tuple[int, Path]:
         step = max(sorted(files), key=em_of)
     elif isinstance(at, int) and not isinstance(at, bool):
         if at not in files:
-            raise ValueError(f"{run_dir}: no eval file for step {at} (have {sorted(files)})")
+            raise UserError(f"{run_dir}: no eval file for step {at} (have {sorted(files)})")
         step = at
     else:
-        raise ValueError(f"at must be 'final', 'peak' or a step number, got {at!r}")
+        raise UserError(f"at must be 'final', 'peak' or a step number, got {at!r}")
     return step, files[step]
 
 
@@ -243,11 +246,23 @@ def summarise(questions: dict[str, dict[str, float]]) -> dict[str, dict[str, flo
 def _names(run_dirs: list[Path], names: list[str] | None) -> list[str]:
     if names is not None:
         if len(names) != len(run_dirs):
-            raise ValueError(f"names: {len(names)} names for {len(run_dirs)} runs")
+            raise UserError(f"names: {len(names)} names for {len(run_dirs)} runs")
         return list(names)
     base = [d.resolve().name for d in run_dirs]
     # Seeds of one sweep often share a folder name under different parents: add the parent.
     return [b if base.count(b) == 1 else f"{d.resolve().parent.name}/{b}" for b, d in zip(base, run_dirs)]
+
+
+def check_same_questions(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], name_a: str, name_b: str) -> None:
+    """Paired tests pair questions by id; refuse two eval files in which one id names two
+    different questions (runs on different data whose ids happen to coincide, e.g. q1, q2...).
+    Files written before question hashes were recorded cannot be checked and pass."""
+    differ = [k for k in a.keys() & b.keys() if "question_hash" in a[k] and "question_hash" in b[k]
+              and a[k]["question_hash"] != b[k]["question_hash"]]
+    if differ:
+        raise UserError(f"compare: {name_a} and {name_b} share question ids but not questions ({len(differ)} of "
+                        f"{len(a.keys() & b.keys())} common ids differ, e.g. {sorted(differ)[0]!r}): they were evaluated on "
+                        "different data, so a paired test would pair unrelated questions")
 
 
 def compare_runs(
@@ -271,7 +286,7 @@ def compare_runs(
     """
     dirs = [Path(d) for d in run_dirs]
     if not dirs:
-        raise ValueError("compare_runs: no run directories given")
+        raise UserError("compare_runs: no run directories given")
     for d in dirs:
         if not d.is_dir():
             raise FileNotFoundError(f"run directory {d} does not exist or is not a directory")
@@ -285,6 +300,7 @@ def compare_runs(
         runs.append({"name": label, "dir": str(d), "step": step, "file": str(path), "n": len(q), "metrics": summarise(q)})
     tests: list[dict[str, Any]] = []
     for (i, a), (j, b) in combinations(enumerate(runs), 2):
+        check_same_questions(questions[i], questions[j], a["file"], b["file"])
         for name in PAIRED_FIELDS:
             pair = paired_lift(questions[i], questions[j], name, exact_below)  # "lost" = right in a only
             if not pair["n"]:

@@ -8,6 +8,7 @@ one-line error naming the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,12 +16,15 @@ from typing import Any
 
 import yaml
 
+from keel.errors import UserError
+
+
 if typing.TYPE_CHECKING:  # real imports are lazy: these modules import keel.config
     from keel.diagnostics.detectors import DetectorConfig
     from keel.signals.schedule import SignalsConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A bad config: unknown key, wrong type, unreadable preset. The message is one line."""
 
 
@@ -270,17 +274,21 @@ def _coerce(key: str, value: Any, expected) -> Any:
 
 def apply_dict(cfg, d: dict[str, Any], where: str = "", prefix: str = "") -> None:
     """Set every leaf of a nested mapping, following the dataclass structure (a dict-typed
-    field such as `on_rollback` takes its whole mapping)."""
+    field such as `on_rollback` takes its whole mapping). An error names `where` once."""
+    try:
+        _apply(cfg, d, prefix)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}" if where else str(e)) from None
+
+
+def _apply(cfg, d: dict[str, Any], prefix: str) -> None:
     for k, v in d.items():
         key = f"{prefix}{k}"
-        try:
-            obj, leaf = _parent(cfg, key)
-            if isinstance(v, dict) and dataclasses.is_dataclass(getattr(obj, leaf)):
-                apply_dict(cfg, v, where, key + ".")
-                continue
-            set_key(cfg, key, v)
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}" if where else str(e)) from None
+        obj, leaf = _parent(cfg, key)
+        if isinstance(v, dict) and dataclasses.is_dataclass(getattr(obj, leaf)):
+            _apply(cfg, v, key + ".")
+            continue
+        set_key(cfg, key, v)
 
 
 def _parent(cfg, key: str):
@@ -307,19 +315,37 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"  # the presets shipped with the repository
+
+
+def resolve_preset(preset: str | Path) -> Path:
+    """A preset path as given (relative to the current directory), else the same name under the
+    repository's configs/: `smoke`, `smoke.yaml` and `configs/smoke.yaml` all work from any
+    directory. Raises ConfigError listing where it looked."""
+    given = Path(preset)
+    if given.is_file():
+        return given
+    name = given.name if given.suffix == ".yaml" else given.name + ".yaml"
+    tried = [given, Path.cwd() / "configs" / name, CONFIGS_DIR / name]
+    if given.parent.name == "configs" or given.parent == Path("."):
+        for candidate in tried[1:]:
+            if candidate.is_file():
+                return candidate
+    looked = ", ".join(dict.fromkeys(str(p) for p in (tried if given.parent.name == "configs" or given.parent == Path(".") else tried[:1])))
+    raise ConfigError(f"config file not found: {preset} (looked at {looked})")
+
+
 def load_config(preset: str | Path | None = None, overrides: list[str] | None = None, smoke: bool = False) -> Config:
     """Defaults ← preset YAML ← smoke shrink ← --set overrides (later wins)."""
     cfg = Config()
     if preset:
-        path = Path(preset)
-        if not path.exists():
-            candidate = Path(__file__).resolve().parent.parent / "configs" / (str(preset) if str(preset).endswith(".yaml") else f"{preset}.yaml")
-            if candidate.exists():
-                path = candidate
-            else:
-                raise ConfigError(f"config file not found: {preset}")
+        path = resolve_preset(preset)
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+        except (IsADirectoryError, PermissionError) as e:
+            raise ConfigError(f"config file {path}: {e.strerror}") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
@@ -367,6 +393,11 @@ def validate(cfg: Config) -> None:
         (set(cfg.data.kinds) <= set(KINDS), f"data.kinds must be a subset of {', '.join(KINDS)}, got {cfg.data.kinds!r}"),
         (cfg.data.max_hops >= 0, "data.max_hops must be ≥ 0 (0: no limit)"),
         (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),
+        # a group of one has advantage r - mean(r) = 0: GRPO would run and train nothing
+        (cfg.rollout.group_size >= 2 or cfg.grpo.steps == 0 or cfg.grpo.baseline == "batch"
+         or (cfg.signals.ops.enabled and cfg.signals.ops.mode == "add"),
+         f"rollout.group_size={cfg.rollout.group_size}: GRPO's advantage is a reward minus its group's mean, so a group of one "
+         "has advantage 0 and trains nothing; use ≥ 2 (paper A: 8), grpo.baseline=batch, or grpo.steps=0 for SFT only"),
         (cfg.eval.every >= 1, "eval.every must be ≥ 1"),
         (cfg.grpo.micro_batch_size >= 1, "grpo.micro_batch_size must be ≥ 1"),
         (cfg.model.max_tokens_per_micro_batch >= 0, "model.max_tokens_per_micro_batch must be ≥ 0 (0: no token cap)"),
@@ -374,6 +405,7 @@ def validate(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+    _check_numbers(cfg)
     from keel.signals.schedule import Schedule
 
     try:
@@ -382,6 +414,42 @@ def validate(cfg: Config) -> None:
         raise ConfigError(str(e).splitlines()[0]) from None
     if cfg.signals.ops.enabled and cfg.signals.ops.mode == "replace" and cfg.signals.ops.members >= cfg.rollout.group_size:
         raise ConfigError("signals.ops.members must be < rollout.group_size in replace mode (the group keeps sampled members)")
+
+
+# (key, lowest allowed value, whether the bound itself is allowed): every float must also be finite
+POSITIVE = [("sft.lr", 0, False), ("grpo.lr", 0, False), ("rollout.temperature", 0, False), ("grpo.max_grad_norm", 0, False),
+            ("grpo.adam_eps", 0, False), ("model.lora_alpha", 0, False), ("signals.lr", 0, False),
+            ("grpo.kl_coef", 0, True), ("grpo.clip_low", 0, True), ("grpo.clip_high", 0, True), ("grpo.weight_decay", 0, True),
+            ("run.malloc_mmap_threshold_mb", 0, True), ("signals.sft_weight", 0, True), ("signals.ets_weight", 0, True),
+            ("signals.reflection_weight", 0, True),
+            ("eval.n_dev", 1, True), ("eval.batch_size", 1, True), ("eval.max_new_tokens", 1, True), ("eval.samples", 0, True),
+            ("eval.tool_lift_k", 1, True), ("eval.tool_lift_n", 0, True), ("sft.batch_size", 1, True), ("sft.warmup_steps", 0, True),
+            ("grpo.warmup_steps", 0, True), ("rollout.max_new_tokens", 1, True), ("rollout.max_total_tokens", 2, True),
+            ("data.n_train", 1, True), ("data.n_dev", 1, True), ("data.n_test", 0, True), ("data.max_calls_per_turn", 1, True),
+            ("model.lora_rank", 0, True), ("run.checkpoint_every", 0, True), ("run.threads", 0, True), ("env.max_items", 1, True)]
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Every float in the tree is finite (NaN or inf as a learning rate would be found only
+    after the SFT phase, as a skipped update on every step), and the keys in POSITIVE are in
+    range. Checked before anything is written."""
+    def walk(obj, prefix: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                walk(value, f"{prefix}{f.name}.")
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{prefix}{f.name} must be a finite number, got {value!r}")
+
+    walk(cfg, "")
+    for key, low, inclusive in POSITIVE:
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            continue
+        if obj < low or (obj == low and not inclusive):
+            raise ConfigError(f"{key} must be {'≥' if inclusive else '>'} {low}, got {obj!r}")
 
 
 def dump_yaml(cfg: Config) -> str:

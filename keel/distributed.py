@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from keel import metrics as M
+from keel.errors import UserError
 from keel.types import Source, Trajectory
 
 
@@ -79,7 +80,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"distributed: environment variable {name}={raw!r} is not an integer") from None
+        raise UserError(f"distributed: environment variable {name}={raw!r} is not an integer") from None
 
 
 def init_distributed(backend: str | None = None) -> DistContext:
@@ -96,7 +97,7 @@ def init_distributed(backend: str | None = None) -> DistContext:
     rank = _env_int("RANK", 0)
     local = _env_int("LOCAL_RANK", rank)
     if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"distributed: RANK={rank} is not within WORLD_SIZE={world}")
+        raise UserError(f"distributed: RANK={rank} is not within WORLD_SIZE={world}")
     if world == 1:
         return DistContext()
     if not dist.is_available():
@@ -116,9 +117,9 @@ def shard_groups(n_groups: int, ctx: DistContext) -> range:
     for the slowest, so they are refused.
     """
     if n_groups < 1:
-        raise ValueError(f"distributed: {n_groups} groups per step; need at least one per rank")
+        raise UserError(f"distributed: {n_groups} groups per step; need at least one per rank")
     if n_groups % ctx.world_size:
-        raise ValueError(
+        raise UserError(
             f"rollout.prompts_per_step={n_groups} is not a multiple of the {ctx.world_size} processes; "
             f"use {(n_groups // ctx.world_size + 1) * ctx.world_size}"
         )

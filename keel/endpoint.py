@@ -24,6 +24,7 @@ import urllib.request
 from typing import Any, Callable
 
 from keel.chat import TOOLS_POSTAMBLE, TOOLS_PREAMBLE
+from keel.errors import UserError
 from keel.types import Env, Task
 
 API_KEY_ENV = "OPENAI_API_KEY"
@@ -31,7 +32,7 @@ _LOOPBACK = ("localhost", "127.0.0.1", "::1")
 _BODY_CHARS = 200  # characters of an error response quoted in an EndpointError
 
 
-class EndpointError(RuntimeError):
+class EndpointError(UserError, RuntimeError):
     """A failed chat-completions request. The message is one line naming the URL and the cause."""
 
 
@@ -59,35 +60,51 @@ def _opener(url: str):
     return urllib.request.build_opener()
 
 
-def chat(
-    base_url: str,
-    model: str,
-    messages: list[dict[str, str]],
-    api_key: str | None = None,
-    timeout: float = 60,
-    temperature: float = 0.0,
-    max_tokens: int = 512,
-) -> str:
-    """The assistant text of one chat completion.
+RETRY_STATUSES = {408, 409, 425, 429, 500, 502, 503, 504}  # worth another try; other 4xx will not change
 
-    The key is `api_key`, else the environment variable OPENAI_API_KEY, else none (local
-    servers). Every failure (connection, HTTP status, timeout, a body that is not a
-    chat-completions response) raises EndpointError with a one-line message naming the URL.
-    """
-    url = completions_url(base_url)
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-        raise EndpointError(f"{url}: messages must be a list of {{'role', 'content': str}} dicts")
-    key = api_key if api_key else os.environ.get(API_KEY_ENV) or None
-    body = json.dumps(
-        {"model": model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}, ensure_ascii=False
-    ).encode("utf-8")
-    headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+
+class _Retryable(EndpointError):
+    """A failure that another attempt may not have (connection, timeout, 5xx, a torn body)."""
+
+
+def _post(url: str, request, timeout: float) -> bytes:
+    """The body of one POST, within `timeout` seconds in all: connecting, the headers and the
+    whole body (urllib's own timeout bounds each socket read, so a server that sends one byte
+    every few seconds would never time out). The request runs in a daemon thread; past the
+    deadline its socket is shut down, which ends the thread."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def work():
+        try:
+            with _opener(url).open(request, timeout=timeout) as response:
+                box["response"] = response
+                box["raw"] = response.read()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=work, name="keel-endpoint", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        sock = getattr(getattr(getattr(box.get("response"), "fp", None), "raw", None), "_sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        raise _Retryable(f"{url}: no complete response within {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["raw"]
+
+
+def _attempt(url: str, request, timeout: float) -> str:
     try:
-        with _opener(url).open(request, timeout=timeout) as response:
-            raw = response.read()
+        raw = _post(url, request, timeout)
+    except EndpointError:
+        raise
     except urllib.error.HTTPError as exc:
         detail = ""
         try:
@@ -96,23 +113,69 @@ def chat(
             detail = err.get("message", detail) if isinstance(err, dict) else (err if isinstance(err, str) else detail)
         except Exception:
             pass
-        raise EndpointError(f"{url}: HTTP {exc.code} {exc.reason}" + (f": {_one_line(detail)}" if detail else "")) from None
+        kind = _Retryable if exc.code in RETRY_STATUSES else EndpointError
+        raise kind(f"{url}: HTTP {exc.code} {exc.reason}" + (f": {_one_line(detail)}" if detail else "")) from None
     except (socket.timeout, TimeoutError):
-        raise EndpointError(f"{url}: no response within {timeout} s") from None
+        raise _Retryable(f"{url}: no response within {timeout:g} s") from None
     except urllib.error.URLError as exc:
-        raise EndpointError(f"{url}: cannot connect ({_one_line(exc.reason, 80)})") from None
+        raise _Retryable(f"{url}: cannot connect ({_one_line(exc.reason, 80)})") from None
     except OSError as exc:
-        raise EndpointError(f"{url}: connection failed ({type(exc).__name__}: {_one_line(exc, 80)})") from None
+        raise _Retryable(f"{url}: connection failed ({type(exc).__name__}: {_one_line(exc, 80)})") from None
     try:
         data = json.loads(raw.decode("utf-8"))
         content = data["choices"][0]["message"]["content"]
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, IndexError, TypeError):
-        raise EndpointError(f"{url}: response is not a chat completion: {_one_line(raw.decode('utf-8', 'replace'))}") from None
+        raise _Retryable(f"{url}: response is not a chat completion: {_one_line(raw.decode('utf-8', 'replace'))}") from None
     if content is None:  # a model that answered only through the native `tool_calls` field
         content = ""
     if not isinstance(content, str):
         raise EndpointError(f"{url}: choices[0].message.content is {type(content).__name__}, not text")
     return content
+
+
+def chat(
+    base_url: str,
+    model: str,
+    messages: list[dict[str, str]],
+    api_key: str | None = None,
+    timeout: float = 60,
+    temperature: float = 0.0,
+    max_tokens: int = 512,
+    retries: int = 0,
+    backoff: float = 1.0,
+) -> str:
+    """The assistant text of one chat completion.
+
+    The key is `api_key`, else the environment variable OPENAI_API_KEY, else none (local
+    servers). `timeout` is the total deadline of one attempt (connect, headers, body). A
+    failure another attempt may not have (connection, timeout, HTTP 408/429/5xx, a body that is
+    not a chat completion) is tried again up to `retries` times, after backoff·1, 2, 4... s.
+    What still fails raises EndpointError with a one-line message naming the URL (and, after
+    retries, how many attempts were made).
+    """
+    import time
+
+    url = completions_url(base_url)
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        raise EndpointError(f"{url}: messages must be a list of {{'role', 'content': str}} dicts")
+    if not timeout > 0:
+        raise EndpointError(f"{url}: timeout must be > 0 s, got {timeout!r}")
+    key = api_key if api_key else os.environ.get(API_KEY_ENV) or None
+    body = json.dumps(
+        {"model": model, "messages": messages, "temperature": temperature, "max_tokens": max_tokens}, ensure_ascii=False
+    ).encode("utf-8")
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    for attempt in range(retries + 1):
+        request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+        try:
+            return _attempt(url, request, timeout)
+        except _Retryable as exc:
+            if attempt == retries:
+                raise EndpointError(str(exc) + (f" (after {retries + 1} attempts)" if retries else "")) from None
+            time.sleep(backoff * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def system_content(instructions: str, tools: list[dict[str, Any]]) -> str:
@@ -164,6 +227,8 @@ def endpoint_policy(
     temperature: float = 0.0,
     max_tokens: int = 512,
     timeout: float = 60,
+    retries: int = 0,
+    backoff: float = 1.0,
 ) -> Callable[[Task, list[dict[str, Any]]], str]:
     """A text policy `fn(task, messages) -> str` for `keel.episode.run_text_episode`.
 
@@ -175,6 +240,6 @@ def endpoint_policy(
     def policy(task: Task, messages: list[dict[str, Any]]) -> str:
         tools = env.tools(task) if env is not None else None
         return chat(base_url, model, hermes_messages(messages, tools), api_key=api_key, timeout=timeout,
-                    temperature=temperature, max_tokens=max_tokens)
+                    temperature=temperature, max_tokens=max_tokens, retries=retries, backoff=backoff)
 
     return policy

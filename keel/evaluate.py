@@ -18,11 +18,21 @@ from keel.rollout import SamplingParams, rollout
 from keel.types import Env, Task, Trajectory
 
 
+def question_hash(task: Task) -> str:
+    """16 hex digits of the question and its gold answers: two eval files agree on a question
+    id only if they agree on this."""
+    import hashlib
+
+    text = "\x1f".join([task.question, *map(str, task.answers or [])])
+    return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:16]
+
+
 def _record(tr: Trajectory, task: Task) -> dict[str, Any]:
     """episode_record, plus: for function-calling tasks (no answer string; the BFCL checker
     judges the whole conversation) `em` is the checker's verdict, so eval/em reads as exact
     success in both task families."""
     row = episode_record(tr, task)
+    row["question_hash"] = question_hash(task)  # `keel compare` refuses runs whose same ids are different questions
     if "checker_valid" in tr.info:
         row["checker_valid"] = bool(tr.info["checker_valid"])
         row["em"] = float(row["checker_valid"])
@@ -52,12 +62,32 @@ def evaluate_model(
     return eval_metrics(rows), rows, trajs
 
 
-def evaluate_text_policy(env: Env, tasks: Sequence[Task], policy, max_turns: int) -> tuple[dict[str, float], list[dict[str, Any]], list[Trajectory]]:
-    """A scripted policy (oracle, null, endpoint) through the same loop and scorer."""
+def evaluate_text_policy(env: Env, tasks: Sequence[Task], policy, max_turns: int, recover: tuple[type[BaseException], ...] = (),
+                         warn: Callable[[str], None] | None = None) -> tuple[dict[str, float], list[dict[str, Any]], list[Trajectory]]:
+    """A scripted policy (oracle, null, endpoint) through the same loop and scorer.
+
+    `recover`: exception types (an endpoint's EndpointError) that fail one question, not the
+    evaluation: once some question has been answered, such a failure is recorded as that
+    question's `error` (scored 0, an empty episode) and the evaluation goes on; before any has,
+    it is raised (a server that never answers is a configuration error, not a result).
+    """
     rows, trajs = [], []
+    answered = 0
     for task in tasks:
-        tr = run_text_episode(env, task, policy, max_turns).to_trajectory()
-        rows.append(_record(tr, task))
+        try:
+            tr = run_text_episode(env, task, policy, max_turns).to_trajectory()
+        except recover as exc:
+            if not answered:
+                raise
+            tr = Trajectory(task_id=task.id, token_ids=[], sources=[], logprobs=[], info={"error": str(exc)})
+            if warn:
+                warn(f"question {task.id}: {exc} (recorded as its error; the evaluation goes on)")
+        else:
+            answered += 1
+        row = _record(tr, task)
+        if "error" in tr.info:
+            row["error"] = tr.info["error"]
+        rows.append(row)
         trajs.append(tr)
     return eval_metrics(rows), rows, trajs
 

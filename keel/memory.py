@@ -16,6 +16,8 @@ import ctypes
 import ctypes.util
 import functools
 
+from keel.errors import UserError
+
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
 
 
@@ -36,7 +38,7 @@ def set_mmap_threshold(megabytes: float) -> bool:
     """Fix glibc's mmap threshold at `megabytes` (this also stops its dynamic adjustment).
     Returns False where there is no glibc `mallopt` (macOS, musl): nothing changes there."""
     if megabytes <= 0:
-        raise ValueError(f"run.malloc_mmap_threshold_mb must be > 0, got {megabytes}")
+        raise UserError(f"run.malloc_mmap_threshold_mb must be > 0, got {megabytes}")
     mallopt = _glibc("mallopt")
     if mallopt is None:
         return False

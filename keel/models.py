@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from keel.chat import HERMES_TEMPLATE
+from keel.errors import UserError
 
 EMBEDDED = "smollm2"  # model.name of the embedded default
 TINY = "tiny"  # model.name of the tiny random model for tests
@@ -123,18 +124,32 @@ def embedded_model_dir() -> Path:
     return _atomic_dir(cache_dir() / "smollm2-135m-instruct", build)
 
 
-def load_tokenizer(name: str):
-    """Tokenizer for model `name` (smollm2, tiny, or a local directory)."""
+def check_model_name(name: str, what: str = "model.name") -> None:
+    """A one-line UserError unless `name` is 'smollm2', 'tiny' or a Hugging Face model directory
+    (one with a config.json); `what` is how the user gave it (model.name, --policy, --checkpoint)."""
+    if name in (EMBEDDED, TINY):
+        return
+    path = Path(name)
+    if not path.exists():
+        raise UserError(f"{what}: {name!r} is neither 'smollm2', 'tiny' nor an existing local model directory")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise UserError(f"{what}: {name} is not a Hugging Face model directory (no config.json in it); give 'smollm2', 'tiny' "
+                        "or a directory written by save_pretrained, e.g. RUN/checkpoints/peak")
+
+
+def load_tokenizer(name: str, what: str = "model.name"):
+    """Tokenizer for model `name` (smollm2, tiny, or a local directory); `what` names the setting in errors."""
     _quiet()
     from transformers import AutoTokenizer
 
     if name in (EMBEDDED, TINY):
         tok = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir()))
     else:
-        path = Path(name)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model.name: {name!r} is neither 'smollm2', 'tiny' nor a local model directory")
-        tok = AutoTokenizer.from_pretrained(str(path))
+        check_model_name(name, what)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(name))
+        except (OSError, ValueError) as e:
+            raise UserError(f"{what}: {name}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
         if not tok.chat_template or "tool" not in tok.chat_template:
             tok.chat_template = HERMES_TEMPLATE
     if tok.pad_token_id is None:
@@ -163,14 +178,15 @@ def tiny_config(vocab_size: int):
     )
 
 
-def load_model(name: str, dtype: str = "float32", seed: int = 0, device: str = "cpu"):
-    """(model, tokenizer) for `name`: "smollm2" (embedded), "tiny" (random, seeded) or a local dir."""
+def load_model(name: str, dtype: str = "float32", seed: int = 0, device: str = "cpu", what: str = "model.name"):
+    """(model, tokenizer) for `name`: "smollm2" (embedded), "tiny" (random, seeded) or a local dir;
+    `what` is how the user named it, for errors (model.name, --policy, --checkpoint)."""
     _quiet()
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if dtype not in DTYPES:
-        raise ValueError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
-    tok = load_tokenizer(name)
+        raise UserError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    tok = load_tokenizer(name, what)
     if name == TINY:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -179,7 +195,12 @@ def load_model(name: str, dtype: str = "float32", seed: int = 0, device: str = "
     elif name == EMBEDDED:
         model = AutoModelForCausalLM.from_pretrained(str(embedded_model_dir()), dtype=DTYPES[dtype])
     else:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype])
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype])
+        except Exception as e:  # missing or truncated weights (SafetensorError), an unknown architecture
+            if not isinstance(e, (OSError, ValueError)) and type(e).__name__ != "SafetensorError":
+                raise
+            raise UserError(f"{what}: {name}: the model cannot be loaded ({' '.join(str(e).split())[:160]})") from None
     model.config.use_cache = True
     model.generation_config.pad_token_id = tok.pad_token_id
     return model.to(device), tok
@@ -189,7 +210,7 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"model.device: {device!r} requested but no CUDA device is available")
+        raise UserError(f"model.device: {device!r} requested but no CUDA device is available")
     return device
 
 
@@ -210,7 +231,7 @@ class LoRA:
         try:
             from peft import LoraConfig, get_peft_model
         except ImportError:
-            raise ValueError("model.lora_rank > 0 needs peft: pip install torch==2.13.0 'keel[lora]' (peft==0.21.2)") from None
+            raise UserError("model.lora_rank > 0 needs peft: pip install torch==2.13.0 'keel[lora]' (peft==0.21.2)") from None
         self.peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets)))
         self.model = self.peft_model.get_base_model()
 
@@ -225,7 +246,7 @@ class LoRA:
         params = dict(self.model.named_parameters())
         missing = sorted(set(k for k, v in params.items() if v.requires_grad) - set(state))
         if missing:
-            raise ValueError(f"adapter checkpoint lacks {len(missing)} adapter weights, e.g. {missing[0]}")
+            raise UserError(f"adapter checkpoint lacks {len(missing)} adapter weights, e.g. {missing[0]}")
         with torch.no_grad():
             for k, v in state.items():
                 params[k].copy_(v)
@@ -256,7 +277,7 @@ class LoRA:
             elif k.replace(".bias", ".base_layer.bias") in own:
                 mapped[k.replace(".bias", ".base_layer.bias")] = v
             else:
-                raise ValueError(f"base checkpoint has a weight the model lacks: {k}")
+                raise UserError(f"base checkpoint has a weight the model lacks: {k}")
         self.model.load_state_dict(mapped, strict=False)
 
     def merged_model(self):

@@ -45,6 +45,7 @@ import re
 from typing import Callable
 
 from keel.answers import exact_match, f1_score, normalise
+from keel.errors import UserError
 from keel.types import Step, Task, Trajectory
 
 RewardFn = Callable[[Trajectory, Task], tuple[float, dict[str, float]]]
@@ -449,13 +450,13 @@ def resolve_reward(name: str) -> RewardFn:
     if name in REWARDS:
         return REWARDS[name]
     if ":" not in name:
-        raise ValueError(f"reward.name: unknown reward {name!r} (known: {', '.join(sorted(REWARDS))}; or module:function)")
+        raise UserError(f"reward.name: unknown reward {name!r} (known: {', '.join(sorted(REWARDS))}; or module:function)")
     from keel.tools.python import ToolLoadError, load_callable
 
     try:
         fn = load_callable(name, "reward.name")
     except ToolLoadError as e:
-        raise ValueError(str(e)) from None
+        raise UserError(str(e)) from None
     return checked_reward(fn, name)
 
 
@@ -464,7 +465,7 @@ def checked_reward(fn: RewardFn, name: str) -> RewardFn:
         out = fn(traj, task)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (int, float)) and not isinstance(out[0], bool)
                 and isinstance(out[1], dict) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in out[1].values())):
-            raise ValueError(f"reward {name} returned {type(out).__name__} {str(out)[:80]!r}; expected (total, {{component: number}})")
+            raise UserError(f"reward {name} returned {type(out).__name__} {str(out)[:80]!r}; expected (total, {{component: number}})")
         return float(out[0]), {str(k): float(v) for k, v in out[1].items()}
 
     reward.__name__ = getattr(fn, "__name__", name)

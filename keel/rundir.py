@@ -19,27 +19,202 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from keel.errors import UserError
 
-class RunDirError(RuntimeError):
-    """The run directory cannot be used (exists, unwritable, disk full). One-line message."""
+
+
+class RunDirError(UserError, RuntimeError):
+    """The run directory cannot be used (exists, in use, unwritable, disk full). One-line message."""
+
+
+LOCK_FILE = ".keel.lock"  # RUN/.keel.lock: flock-ed by the one process that owns RUN, holds its pid
+MIN_FREE_MB = 200  # a run needs room for checkpoints; checked before the directory is made
+
+
+class RunDirLock:
+    """This process's ownership of a run directory: an exclusive `flock` on RUN/.keel.lock,
+    held until `release()` (the kernel drops it if the process dies, so a killed run leaves no
+    stale lock). It records what this process created, so that `discard()` deletes only that:
+    the directory and any parents it made, or, in a directory that existed empty, its files."""
+
+    def __init__(self, path: Path, fd: int, created: list[Path], existed_empty: bool):
+        self.path, self.fd, self.created, self.existed_empty = path, fd, created, existed_empty
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            import fcntl
+
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+    def discard(self) -> None:
+        """Delete what this process created (a fresh run that failed before logging a step), then
+        release the lock. Never touches a directory another process owns: this one holds it."""
+        if self.fd is not None:
+            if self.existed_empty:
+                for child in list(self.path.iterdir()):
+                    if child.name != LOCK_FILE:
+                        shutil.rmtree(child, ignore_errors=True) if child.is_dir() and not child.is_symlink() else child.unlink(missing_ok=True)
+                (self.path / LOCK_FILE).unlink(missing_ok=True)
+            elif self.created:
+                shutil.rmtree(self.path, ignore_errors=True)
+                for parent in reversed(self.created[:-1]):  # parents made for it, innermost first, if still empty
+                    try:
+                        parent.rmdir()
+                    except OSError:
+                        break
+        self.release()
+
+    def discard_if_fresh(self) -> None:
+        """`discard()` unless the run logged something (a complete metrics line): a run with a
+        step done is resumable and is kept; in any case the lock is released."""
+        if self.fd is not None and not read_jsonl(self.path / "metrics.jsonl"):
+            self.discard()
+        self.release()
+
+    def __enter__(self) -> "RunDirLock":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.release()
+        return False
+
+
+def is_empty_dir(path: Path) -> bool:
+    """A directory with nothing in it but (perhaps) a lock file: a new run may be made there."""
+    return all(p.name == LOCK_FILE for p in Path(path).iterdir())
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _check_free_space(path: Path) -> None:
+    where = _existing_ancestor(path)
+    free = shutil.disk_usage(where).free
+    if free < MIN_FREE_MB * 1024 * 1024:
+        raise RunDirError(f"run directory {path}: only {free // (1024 * 1024)} MB free on its disk ({where}), need at least {MIN_FREE_MB} MB")
+
+
+def _holder(lock: Path) -> str:
+    try:
+        pid = lock.read_text().strip()
+    except OSError:
+        pid = ""
+    return f" (pid {pid})" if pid.isdigit() else ""
+
+
+def _lock(path: Path, created: list[Path], existed_empty: bool, fresh: bool) -> RunDirLock:
+    """flock RUN/.keel.lock without waiting; a directory someone else holds is refused untouched.
+    For a fresh run the directory must hold nothing but the lock once it is ours (another
+    process may have filled it between our look and our lock)."""
+    import fcntl
+
+    lock = path / LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise RunDirError(f"run directory {path} is not writable: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise _taken(f"run directory {path} is in use by another keel process{_holder(lock)}; wait for it to end, or choose another --out") from None
+    try:
+        same = os.fstat(fd).st_ino == os.stat(lock).st_ino  # not a lock file its owner deleted meanwhile
+    except OSError:
+        same = False
+    if not same or (fresh and any(p.name != LOCK_FILE for p in path.iterdir())):
+        os.close(fd)  # lost a race to another process: it owns (or owned) the directory now
+        raise _taken(f"run directory {path} was just taken by another keel process; choose another --out")
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError as e:
+        os.close(fd)
+        raise RunDirError(f"run directory {path} is not writable: {e.strerror or e}") from None
+    return RunDirLock(path, fd, created, existed_empty)
+
+
+def claim_run_dir(path: Path) -> RunDirLock:
+    """Own a new run directory: refuse anything but a missing or empty directory, check the disk
+    before making it, make it exclusively (mkdir fails if another process made it first), then
+    lock it. On refusal nothing is created and nothing is changed."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"run directory {path} exists and is not a directory; choose another --out")
+    if path.is_dir() and not is_empty_dir(path):
+        raise RunDirError(f"run directory {path} already exists and is not empty; choose another --out or use --resume {path}")
+    _check_free_space(path)
+    created: list[Path] = []
+    existed_empty = path.is_dir()
+    if not existed_empty:
+        missing = []
+        p = path.absolute()
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        try:
+            for d in reversed(missing):
+                try:
+                    os.mkdir(d)
+                except FileExistsError:
+                    if d == path.absolute():
+                        raise _taken(f"run directory {path} was just created by another keel process; choose another --out") from None
+                    continue
+                created.append(d)
+        except OSError as e:
+            for d in reversed(created):
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass
+            raise RunDirError(f"run directory {path} cannot be created: {e.strerror or e}") from None
+    try:
+        return _lock(path, created, existed_empty, fresh=True)
+    except RunDirError as e:
+        if not getattr(e, "taken", False):  # unwritable: undo our mkdirs; a taken directory is another's now
+            for d in reversed(created):
+                shutil.rmtree(d, ignore_errors=True) if d == path.absolute() else _rmdir_quiet(d)
+        raise
+
+
+def _rmdir_quiet(d: Path) -> None:
+    try:
+        d.rmdir()
+    except OSError:
+        pass
+
+
+def _taken(message: str) -> RunDirError:
+    e = RunDirError(message)
+    e.taken = True
+    return e
+
+
+def lock_run_dir(path: Path) -> RunDirLock:
+    """Own an existing run directory (`--resume`): refused at once if another process holds it."""
+    path = Path(path)
+    if not path.is_dir():
+        raise RunDirError(f"run directory {path} not found")
+    return _lock(path, [], False, fresh=False)
 
 
 def create_run_dir(path: Path, exist_ok_resume: bool = False) -> Path:
-    """Create `path` for a new run; refuse an existing non-empty one (never overwrite results)."""
-    path = Path(path)
-    if path.exists() and any(path.iterdir()) and not exist_ok_resume:
-        raise RunDirError(f"run directory {path} already exists and is not empty; choose another --out or use --resume {path}")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write_probe"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise RunDirError(f"run directory {path} is not writable: {e.strerror or e}") from None
-    free = shutil.disk_usage(path).free
-    if free < 200 * 1024 * 1024:
-        raise RunDirError(f"run directory {path}: only {free // (1024 * 1024)} MB free on its disk, need at least 200 MB")
-    return path
+    """Check and make `path` for a new run, then let it go (for callers that own it otherwise);
+    refuses an existing non-empty one (never overwrite results)."""
+    if exist_ok_resume and Path(path).is_dir():
+        return Path(path)
+    claim_run_dir(path).release()
+    (Path(path) / LOCK_FILE).unlink(missing_ok=True)
+    return Path(path)
 
 
 def default_run_dir(parent: str | Path, preset_name: str) -> Path:
@@ -51,22 +226,56 @@ def default_run_dir(parent: str | Path, preset_name: str) -> Path:
     return parent / f"{preset_name}-{n}"
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # what open() would give a new file (0644 under the usual umask 022)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (temp file + fsync + rename), with the mode an ordinary
+    new file gets (mkstemp's temp files are 0600: others could not read config.yaml)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, FILE_MODE)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        _name_file(e, path)
         raise
+
+
+def _name_file(e: BaseException, path: Path) -> None:
+    """An OSError from write/fsync carries no file name (ENOSPC says only "No space left on
+    device"): give it the file being written, for the one-line error."""
+    if isinstance(e, OSError) and e.filename is None:
+        e.filename = str(path)
+
+
+def disk_full(exc: BaseException, path: Path) -> OSError | None:
+    """An ENOSPC OSError naming `path` if `exc` (from a writer that does not say so itself:
+    safetensors raises SafetensorError, torch.save a RuntimeError) came from a full disk."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return exc
+    try:
+        full = "No space left on device" in str(exc) or shutil.disk_usage(_existing_ancestor(Path(path))).free < 1024 * 1024
+    except OSError:
+        full = False
+    return OSError(errno.ENOSPC, "No space left on device", str(path)) if full else None
 
 
 def _clean(v: Any) -> Any:
@@ -88,10 +297,14 @@ def append_jsonl(path: Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps(_clean(obj), ensure_ascii=False) + "\n"
-    with open(path, "a") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        _name_file(e, path)
+        raise
 
 
 def write_jsonl(path: Path, rows: Iterable[Any]) -> None:
@@ -125,13 +338,18 @@ def iter_jsonl_strict(path: Path, what: str = "data file"):
     if not path.exists():
         raise FileNotFoundError(f"{what} not found: {path}")
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+                yield lineno, record
+        except UnicodeDecodeError:
+            raise UserError(f"{what} {path}: not UTF-8 text (after line {lineno})") from None
 
 
 def truncate_jsonl_lines(path: Path, n: int) -> None:
@@ -154,3 +372,74 @@ def swap_dir(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     if old.exists():
         shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint integrity (resume)
+# ---------------------------------------------------------------------------------------------
+def checkpoint_problem(ck: Path) -> str | None:
+    """What is wrong with checkpoint directory `ck`, or None if every file is whole: trainer_state.json
+    parses, model.safetensors' header and size agree (a truncated copy does not), each .pt is a
+    complete zip archive (torch.save's format; a truncated one has no central directory). Reads
+    headers only, not the weights."""
+    import struct
+    import zipfile
+
+    state = ck / "trainer_state.json"
+    if not state.exists():
+        return "no trainer_state.json (an incomplete checkpoint)"
+    try:
+        json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"trainer_state.json is not valid JSON ({type(e).__name__})"
+    weights = ck / "model.safetensors"
+    if weights.exists():
+        try:
+            with open(weights, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            if weights.stat().st_size < 8 + n + end:
+                return f"model.safetensors is truncated ({weights.stat().st_size} bytes, its header needs {8 + n + end})"
+        except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError) as e:
+            return f"model.safetensors is unreadable ({type(e).__name__})"
+    for pt in sorted(ck.glob("*.pt")):
+        if not zipfile.is_zipfile(pt):
+            return f"{pt.name} is truncated or not a torch file"
+    return None
+
+
+def usable_checkpoint(latest: Path) -> Path | None:
+    """Check checkpoints/latest before a resume loads it. Whole: returned as it is. Corrupt,
+    with a whole `latest.old` (a kill between swap_dir's renames leaves one): the corrupt copy is
+    kept as `latest.corrupt` and `.old` takes its place. Corrupt with nothing to fall back on: a
+    RunDirError that says what to do. Missing (killed before the first checkpoint): None."""
+    latest = Path(latest)
+    old = latest.with_name(latest.name + ".old")
+    if not latest.exists() and not old.exists():
+        return None
+    problem = checkpoint_problem(latest) if latest.exists() else "missing"
+    if problem is None:
+        reference = latest.with_name("reference")  # the KL reference an RL-phase resume loads
+        bad = checkpoint_problem(reference) if (reference / "model.safetensors").exists() else None
+        if bad is not None:
+            run = latest.parent.parent
+            raise RunDirError(f"checkpoint {reference} is corrupt ({bad}); the RL phase cannot continue without it: delete "
+                              f"{latest} and run `keel train --resume {run}` again to restart from step 0")
+        return latest
+    if old.exists() and checkpoint_problem(old) is None:
+        if latest.exists():
+            aside = latest.with_name(latest.name + ".corrupt")
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.replace(latest, aside)
+            print(f"[keel] warning: {latest} is corrupt ({problem}); resuming from {old.name} (the corrupt copy is kept as {aside.name})", flush=True)
+        os.replace(old, latest)
+        return latest
+    if not latest.exists():
+        return None
+    run, peak = latest.parent.parent, latest.with_name("peak")
+    keep = (f"; to keep its training, start a new run from its peak weights with --set model.name={peak}"
+            if checkpoint_problem(peak) is None and (peak / "model.safetensors").exists() else "")
+    raise RunDirError(f"checkpoint {latest} is corrupt ({problem}) and there is no intact {old.name} to fall back on; to restart {run} "
+                      f"from step 0, delete {latest} and run `keel train --resume {run}` again{keep}")

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from keel.rundir import RunDirError, atomic_write_json, atomic_write_text, create_run_dir
+from keel.errors import UserError
+from keel.rundir import RunDirError, atomic_write_json, atomic_write_text, claim_run_dir, is_empty_dir, lock_run_dir
 
 SWEEP_FILE = "sweep.json"
 ARGUMENT_KEYS = ("presets", "seeds", "overrides", "smoke")  # what must match for a re-run to continue DIR
@@ -57,11 +58,11 @@ def parse_seeds(text: str) -> list[int]:
         try:
             seeds.append(int(part))
         except ValueError:
-            raise ValueError(f"sweep: --seeds takes comma-separated integers, e.g. 0,1,2; got {text!r}") from None
+            raise UserError(f"sweep: --seeds takes comma-separated integers, e.g. 0,1,2; got {text!r}") from None
     if not seeds:
-        raise ValueError("sweep: --seeds is empty; give e.g. --seeds 0,1,2")
+        raise UserError("sweep: --seeds is empty; give e.g. --seeds 0,1,2")
     if len(set(seeds)) != len(seeds):
-        raise ValueError(f"sweep: --seeds repeats a seed: {text!r}")
+        raise UserError(f"sweep: --seeds repeats a seed: {text!r}")
     return seeds
 
 
@@ -99,11 +100,11 @@ def plan(presets: list[str], seeds: list[int], overrides: list[str], smoke: bool
 
     for o in overrides:
         if parse_override(o)[0] == "run.seed":
-            raise ValueError("sweep: run.seed is set per run from --seeds; do not also --set it")
+            raise UserError("sweep: run.seed is set per run from --seeds; do not also --set it")
     stems = [Path(p).stem for p in presets]
     for s in stems:
         if stems.count(s) > 1:
-            raise ValueError(f"sweep: two presets named {s!r} would share run directories; give each preset once")
+            raise UserError(f"sweep: two presets named {s!r} would share run directories; give each preset once")
     return [PlannedRun(f"{stem}-s{seed}", preset, seed, load_config(preset, [*overrides, f"run.seed={seed}"], smoke=smoke))
             for preset, stem in zip(presets, stems) for seed in seeds]
 
@@ -124,7 +125,7 @@ def check(out: Path, args: dict[str, Any], runs: list[PlannedRun]) -> None:
     again = f"use another --out, or the arguments of {out / SWEEP_FILE}"
     if out.exists() and not out.is_dir():
         raise RunDirError(f"sweep: --out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
+    if out.is_dir() and not is_empty_dir(out):
         try:
             before = json.loads((out / SWEEP_FILE).read_text())
         except FileNotFoundError:
@@ -141,7 +142,7 @@ def check(out: Path, args: dict[str, Any], runs: list[PlannedRun]) -> None:
                 raise RunDirError(f"sweep: {d} is a run that is not part of this sweep; {again}")
     for r in runs:
         d = out / r.name
-        if not d.is_dir() or not any(d.iterdir()):
+        if not d.is_dir() or is_empty_dir(d):
             r.state = "fresh"
             continue
         if not (d / "config.yaml").exists():
@@ -156,18 +157,14 @@ def _train_one(r: PlannedRun, run: Path) -> dict[str, Any]:
     """One run, fresh or continued, through the functions `keel train` uses."""
     import torch
 
-    from keel.cli import _remove_if_fresh, resume_run
+    from keel.cli import resume_run
     from keel.train import train
 
     threads = torch.get_num_threads()
     try:
-        if r.state == "resume":
-            return resume_run(run)  # `keel train --resume RUN` (config.yaml checked equal above)
-        try:
-            return train(r.cfg, run)
-        except BaseException:
-            _remove_if_fresh(run)  # as `keel train`: a run that wrote no metrics leaves nothing
-            raise
+        if r.state == "resume":  # `keel train --resume RUN` (config.yaml checked equal above)
+            return resume_run(run, announce=False) or json.loads((run / "summary.json").read_text())
+        return train(r.cfg, run)  # owns `run` while it trains; a run that logged nothing leaves nothing
     finally:
         torch.set_num_threads(threads)  # run.threads must not carry over to the next run
         gc.collect()  # free this run's model before the next one loads its own
@@ -176,12 +173,10 @@ def _train_one(r: PlannedRun, run: Path) -> dict[str, Any]:
 
 
 def run_sweep(presets: list[str], seeds_text: str, out: str | Path, overrides: list[str] | None = None, smoke: bool = False) -> int:
-    """Run (or continue) the sweep; 0 when every run is done and compared, 130 when a run was
-    interrupted (Ctrl-C): the sweep stops there and says how to continue."""
-    from keel.compare import compare_runs
-
+    """Run (or continue) the sweep; 0 when every run is done and compared, 130 (143) when a run
+    was interrupted by SIGINT (SIGTERM): the sweep stops there and says how to continue."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("sweep: runs in one process; under torchrun / accelerate launch, start `keel train` for each run")
+        raise UserError("sweep: runs in one process; under torchrun / accelerate launch, start `keel train` for each run")
     out = Path(out)
     overrides = list(overrides or [])
     seeds = parse_seeds(seeds_text)
@@ -189,9 +184,19 @@ def run_sweep(presets: list[str], seeds_text: str, out: str | Path, overrides: l
     again = sweep_command(list(presets), seeds, out, overrides, smoke)
     runs = plan(list(presets), seeds, overrides, smoke)
     check(out, args, runs)
-    if not (out / SWEEP_FILE).exists():
-        create_run_dir(out)  # new or empty: checks it is writable and has disk space
-        atomic_write_json(out / SWEEP_FILE, {**args, "runs": [r.name for r in runs]})
+    # one process runs a sweep: DIR is locked as a run directory is (new or empty: made, disk checked)
+    lock = lock_run_dir(out) if (out / SWEEP_FILE).exists() else claim_run_dir(out)
+    try:
+        if not (out / SWEEP_FILE).exists():
+            atomic_write_json(out / SWEEP_FILE, {**args, "runs": [r.name for r in runs]})
+        return _run_all(out, runs, again)
+    finally:
+        lock.release()
+
+
+def _run_all(out: Path, runs: list[PlannedRun], again: str) -> int:
+    from keel.compare import compare_runs
+
     for i, r in enumerate(runs, 1):
         run = out / r.name
         what = {"done": "done already, skipped", "resume": "continuing it", "fresh": "starting"}[r.state]
@@ -204,8 +209,10 @@ def run_sweep(presets: list[str], seeds_text: str, out: str | Path, overrides: l
             print(f"[keel] sweep stopped at {run}; continue with: {again}", flush=True)
             raise
         if summary.get("interrupted"):
+            from keel.cli import exit_status
+
             print(f"[keel] sweep stopped at {run} (interrupted); continue with: {again}", flush=True)
-            return INTERRUPTED
+            return exit_status(summary)  # 130 after SIGINT, 143 after SIGTERM
         em = (summary.get("eval_final") or {}).get("eval/em")
         lift = summary.get("rl_lift/em")
         print(f"[keel] sweep {i}/{len(runs)}: {run} done" + (f" (dev EM {em:.3f})" if isinstance(em, (int, float)) else "")

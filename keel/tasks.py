@@ -7,10 +7,11 @@ import random
 from pathlib import Path
 
 from keel.config import Config
+from keel.errors import UserError
 from keel.types import Env, Task
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Missing or malformed data; the message names the file."""
 
 
@@ -51,10 +52,15 @@ def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tu
         from keel.kg.synth import SynthConfig, generate
 
         target = (run_dir / "data") if run_dir is not None else None
-        if target is None:
+        if target is None:  # generated in memory's stead: a temp dir, gone once loaded
             import tempfile
 
-            target = Path(tempfile.mkdtemp(prefix="keel-synth-"))
+            with tempfile.TemporaryDirectory(prefix="keel-synth-") as tmp:
+                d2 = dataclasses.replace(cfg, data=dataclasses.replace(d, source="dir", dir=""))
+                generate(Path(tmp), seed=d.seed, train=d.n_train, dev=d.n_dev, test=d.n_test, overwrite=True,
+                         config=SynthConfig(max_calls_per_turn=d.max_calls_per_turn, max_hops=d.max_hops, **({"kinds": tuple(d.kinds)} if d.kinds else {})))
+                d2.data.dir = tmp
+                return build(d2, None)
         # a resumed run finds its data already there (the generator is deterministic; meta.json
         # is written last, so a directory without it is a torn write and is regenerated)
         if not (target / "meta.json").exists():
@@ -70,10 +76,14 @@ def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tu
             if not (data_dir / name).exists():
                 raise DataError(f"data directory {data_dir} has no {name}")
         store = load_store(data_dir / "kb.tsv")
+        if not store.num_triples:
+            raise DataError(f"{data_dir / 'kb.tsv'} holds no triples")
         train = load_tasks(data_dir / "train.jsonl", "keel")
         dev = load_tasks(data_dir / "dev.jsonl", "keel")
     else:
         store = load_store(_need(d.kb, "data.kb"))
+        if not store.num_triples:
+            raise DataError(f"data.kb: {d.kb} holds no triples")
         # the store lets loaders derive gold turns for name-keyed data (MetaQA)
         train = load_tasks(_need(d.train, "data.train"), d.format, store=store)
         if d.dev:
@@ -181,3 +191,48 @@ def build_tools(cfg: Config, training: bool = True) -> tuple[Env, list[Task], li
                 if c["name"] not in names:
                     raise DataError(f"task {t.id!r}: gold call names unknown tool {c['name']!r} (tools: {', '.join(sorted(names))})")
     return env, train, dev
+
+
+def prepare(cfg: Config, run_dir: Path | None, tokenizer) -> tuple[Env, list[Task], list[Task]]:
+    """`build`, then drop the questions whose prompt leaves no room for one assistant turn in
+    rollout.max_total_tokens (a 1 MB question would otherwise ask for tens of GB in the first
+    forward), with a counted warning; a set left empty is a DataError."""
+    env, train, dev = build(cfg, run_dir)
+    budget = cfg.rollout.max_total_tokens - max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    train, n_train = drop_overlong(train, tokenizer, env, budget)
+    dev, n_dev = drop_overlong(dev, tokenizer, env, budget)
+    if n_train or n_dev:
+        print(f"[keel] warning: dropped {n_train} training and {n_dev} dev questions whose prompt is longer than "
+              f"{budget} tokens (rollout.max_total_tokens={cfg.rollout.max_total_tokens} minus one turn's new tokens)", flush=True)
+    if not train:
+        raise DataError(f"no training question fits in rollout.max_total_tokens={cfg.rollout.max_total_tokens} (all {n_train} were too long)")
+    if not dev:
+        raise DataError(f"no dev question fits in rollout.max_total_tokens={cfg.rollout.max_total_tokens} (all {n_dev} were too long)")
+    return env, train, dev
+
+
+SHORT_QUESTION_BYTES = 256  # questions this short are not tokenised here (any prompt budget Keel uses fits them)
+
+
+def drop_overlong(tasks: list[Task], tokenizer, env: Env, budget: int) -> tuple[list[Task], int]:
+    """(tasks whose encoded prompt has at most `budget` tokens, how many were dropped). Only
+    questions longer than SHORT_QUESTION_BYTES are encoded, so a normal set costs nothing."""
+    from keel.rollout import encode_prompt
+
+    kept = [t for t in tasks if len(t.question.encode("utf-8", "replace")) <= SHORT_QUESTION_BYTES
+            or len(encode_prompt(tokenizer, env, t)[0]) <= budget]
+    return kept, len(tasks) - len(kept)
+
+
+def check_gold_replay(cfg: Config, env: Env, train: list[Task], tokenizer) -> None:
+    """The SFT warm-start trains on gold trajectories replayed in the environment; if none
+    replays, say so before a run directory exists (not after the first evaluation)."""
+    if not (cfg.sft.enabled and cfg.sft.steps > 0) or cfg.signals.self_distill.trajectories:
+        return
+    from keel.sft import gold_trajectory
+
+    for task in train:
+        if gold_trajectory(tokenizer, env, task).info.get("gold_ok", True):
+            return
+    raise DataError(f"sft: none of the {len(train)} training questions' gold trajectories replays in the environment "
+                    "(every one has a failing gold call); check data.kb against the questions, or set sft.enabled=false")

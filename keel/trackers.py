@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from keel.errors import UserError
+
+
 # report_to name → (module to import, pip requirement that provides it; the versions tested)
 PACKAGES: dict[str, tuple[str, str]] = {
     "tensorboard": ("tensorboard", "tensorboard==2.21.0"),
@@ -32,7 +35,7 @@ LOCAL = "jsonl"  # always on (written by the trainer); accepted in report_to for
 CHOICES = (LOCAL, *PACKAGES)
 
 
-class TrackerUnavailable(RuntimeError):
+class TrackerUnavailable(UserError, RuntimeError):
     """A tracker named in report_to cannot be used (its package is missing or broken)."""
 
 

@@ -34,13 +34,14 @@ from keel import metrics as M
 from keel.config import Config, dump_yaml
 from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
                               local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
+from keel.errors import UserError
 from keel.evaluate import evaluate_model
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
 from keel.losses import aggregate, batch_advantages, batch_stats, clipped_surrogate, group_advantages, kl_estimate
 from keel.memory import release_free_memory, set_mmap_threshold
 from keel.models import DTYPES, LoRA, load_model, resolve_device
 from keel.rollout import SamplingParams, rollout
-from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, create_run_dir, swap_dir, truncate_jsonl_lines, write_jsonl
+from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, swap_dir, truncate_jsonl_lines, write_jsonl
 from keel.sft import SFTExample, decompose, gold_trajectory
 from keel.signals.schedule import supervision_backward
 from keel.types import Source, Trajectory
@@ -255,13 +256,24 @@ def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, An
 
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    for name, obj in (extra or {}).items():
-        torch.save(obj, tmp / name)
-    atomic_write_json(tmp / "trainer_state.json", state)  # written last: its presence marks a complete checkpoint
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        for name, obj in (extra or {}).items():
+            torch.save(obj, tmp / name)
+        atomic_write_json(tmp / "trainer_state.json", state)  # written last: its presence marks a complete checkpoint
+    except Exception as exc:  # a full disk: say so (safetensors and torch.save do not), free the partial copy
+        from keel.rundir import disk_full
+
+        full = disk_full(exc, tmp)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from None
+        raise
     swap_dir(tmp, path)
 
 
@@ -304,41 +316,69 @@ class Progress:
 
 
 class Interrupted:
-    """SIGINT sets the flag; the loop finishes its step, checkpoints and exits cleanly."""
+    """SIGINT or SIGTERM (`kill`, `docker stop`, a scheduler's pre-emption) sets the flag; the
+    loop finishes its step, checkpoints, writes summary.json and returns; the CLI then exits
+    with 128 + the signal's number (130, 143). A second signal aborts at once (`Aborted`)."""
+
+    SIGNALS = ("SIGINT", "SIGTERM")
 
     def __init__(self):
         self.flag = False
-        self._old = None
+        self.signal_name: str | None = None  # which signal set the flag
+        self._old: dict[int, Any] = {}
 
     def __enter__(self):
         import signal
 
-        def handler(signum, frame):
-            if self.flag:  # a second Ctrl-C aborts at once
-                raise KeyboardInterrupt
-            self.flag = True
-            print("\n[keel] interrupt: finishing this step, then checkpointing (Ctrl-C again to abort)", flush=True)
+        from keel.errors import Aborted
 
-        try:
-            self._old = signal.signal(signal.SIGINT, handler)
-        except ValueError:  # not in the main thread
-            self._old = None
+        def handler(signum, frame):
+            name = signal.Signals(signum).name
+            if self.flag:  # a second signal aborts at once
+                raise Aborted(signum)
+            self.flag, self.signal_name = True, name
+            print(f"\n[keel] {name}: finishing this step, then checkpointing (send it again to abort)", flush=True)
+
+        for name in self.SIGNALS:
+            num = getattr(signal, name)
+            try:
+                self._old[num] = signal.signal(num, handler)
+            except ValueError:  # not in the main thread
+                pass
         return self
 
     def __exit__(self, *exc):
         import signal
 
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        for num, old in self._old.items():
+            signal.signal(num, old)
+        self._old = {}
         return False
 
 
-def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | None = None) -> dict[str, Any]:
+def _on_main(fn, ctx: DistContext):
+    """fn() on rank 0; a UserError it raises is raised on every rank (none waits forever)."""
+    problem = None
+    if ctx.is_main:
+        try:
+            fn()
+        except UserError as e:
+            problem = e
+    problem = broadcast_object(problem, ctx) if ctx.enabled else problem
+    if problem is not None:
+        raise problem
+
+
+def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | None = None, lock=None, prepared=None) -> dict[str, Any]:
     """Run the whole job into the new directory `out_dir` (or continue it with `resume`);
     returns summary.json's content. Under `torchrun` / `accelerate launch` every process calls
-    this with the same arguments (see keel.distributed): rank 0 writes the run directory."""
+    this with the same arguments (see keel.distributed): rank 0 writes the run directory.
+    `lock`: the caller's keel.rundir.RunDirLock on `out_dir` (else, in one process, this call
+    takes one for the run and, if the run fails before logging a step, deletes what it created). `prepared`:
+    (env, train tasks, dev tasks) the caller already loaded (else keel.tasks.prepare)."""
     from keel.config import to_dict
     from keel.rewards import resolve_reward
+    from keel.rundir import claim_run_dir, lock_run_dir, usable_checkpoint
     from keel.trackers import make_tracker
 
     ctx = ctx if ctx is not None else init_distributed()
@@ -346,34 +386,52 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
     if ctx.enabled:
         check_distributed_config(cfg, ctx)
     reward_fn = resolve_reward(cfg.reward.name)  # a key of REWARDS or the user's module:function
-    if resume:
-        if not (out_dir / "config.yaml").exists():
-            raise RunDirError(f"--resume {out_dir}: no config.yaml (not a Keel run directory)")
-        run = out_dir
-    else:
-        run = out_dir
-        if ctx.is_main:
-            create_run_dir(out_dir)
-            atomic_write_text(run / "config.yaml", dump_yaml(cfg))
-        barrier(ctx)
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    if cfg.run.malloc_mmap_threshold_mb:
-        if not set_mmap_threshold(cfg.run.malloc_mmap_threshold_mb) and ctx.is_main:
-            print("[keel] warning: run.malloc_mmap_threshold_mb has no effect here (no glibc mallopt)", flush=True)
-    # fails here, before training, if a package is missing; other ranks log nothing
-    tracker = make_tracker(cfg.report_to if ctx.is_main else [], run, config=to_dict(cfg), run_name=run.name)
+    if resume and not (out_dir / "config.yaml").exists():
+        raise RunDirError(f"--resume {out_dir}: no config.yaml (not a Keel run directory)")
+    run, own = out_dir, []
+    if lock is None and not ctx.enabled:  # one process owns the directory for the whole run (under torchrun: the CLI's rank 0)
+        own.append(lock_run_dir(run) if resume else claim_run_dir(run))
     try:
-        with Interrupted() as interrupted:
-            trainer = Trainer(cfg, run, reward_fn, tracker, interrupted, ctx)
-            try:
-                return trainer.run(resume)
-            finally:
-                close_env = getattr(trainer.env, "close", None)  # e.g. stop an MCP tool server
-                if callable(close_env):
-                    close_env()
+        if resume:
+            def check_and_record():
+                usable_checkpoint(run / "checkpoints" / "latest")  # corrupt latest: fall back to .old, or say what to do
+                text = dump_yaml(cfg)
+                if (run / "config.yaml").read_text(encoding="utf-8") != text:  # --set on resume is part of the run from now on
+                    atomic_write_text(run / "config.yaml", text)
+            _on_main(check_and_record, ctx)
+        else:
+            if ctx.is_main:
+                atomic_write_text(run / "config.yaml", dump_yaml(cfg))
+            barrier(ctx)
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        if cfg.run.malloc_mmap_threshold_mb:
+            if not set_mmap_threshold(cfg.run.malloc_mmap_threshold_mb) and ctx.is_main:
+                print("[keel] warning: run.malloc_mmap_threshold_mb has no effect here (no glibc mallopt)", flush=True)
+        if not cfg.run.progress:  # transformers' own bars ("Writing model shards") follow run.progress too
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        # fails here, before training, if a package is missing; other ranks log nothing
+        tracker = make_tracker(cfg.report_to if ctx.is_main else [], run, config=to_dict(cfg), run_name=run.name)
+        try:
+            with Interrupted() as interrupted:
+                trainer = Trainer(cfg, run, reward_fn, tracker, interrupted, ctx, prepared)
+                try:
+                    return trainer.run(resume)
+                finally:
+                    close_env = getattr(trainer.env, "close", None)  # e.g. stop an MCP tool server
+                    if callable(close_env):
+                        close_env()
+        finally:
+            tracker.close()
+    except BaseException:
+        if own and not resume:
+            own[0].discard_if_fresh()
+        raise
     finally:
-        tracker.close()
+        if own:
+            own[0].release()
 
 
 def check_distributed_config(cfg: Config, ctx: DistContext) -> None:
@@ -381,12 +439,12 @@ def check_distributed_config(cfg: Config, ctx: DistContext) -> None:
     supervision phases (the latter repeated identically on every rank). PRS and synchronous
     supervision losses normalise by local counts inside the update and are refused."""
     if cfg.signals.reflection.enabled:
-        raise ValueError(f"distributed: signals.reflection (PRS) runs in one process only; {ctx.world_size} processes were started")
+        raise UserError(f"distributed: signals.reflection (PRS) runs in one process only; {ctx.world_size} processes were started")
     from keel.signals.schedule import Schedule
 
     schedule = Schedule.from_config(cfg.signals, cfg.grpo.lr)
     if any(schedule.sync_weight(k) > 0 for k in schedule.kinds):
-        raise ValueError("distributed: synchronous supervision losses (signals.paradigm=synchronous) run in one process only")
+        raise UserError("distributed: synchronous supervision losses (signals.paradigm=synchronous) run in one process only")
     shard_groups(cfg.rollout.prompts_per_step, ctx)  # prompts_per_step must divide evenly
 
 
@@ -394,7 +452,7 @@ class Trainer:
     """Holds the run's objects; `run()` is the loop, top to bottom. Not a base class: a
     supervision signal changes what goes into the losses, not this structure."""
 
-    def __init__(self, cfg: Config, run: Path, reward_fn, tracker, interrupted: Interrupted, ctx: DistContext | None = None):
+    def __init__(self, cfg: Config, run: Path, reward_fn, tracker, interrupted: Interrupted, ctx: DistContext | None = None, prepared=None):
         from keel import tasks as task_builder
         from keel.diagnostics.detectors import Detectors
         from keel.diagnostics.telemetry import ControlFrequencyBaseline
@@ -415,7 +473,7 @@ class Trainer:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         for main_turn in (True, False):  # rank 0 writes run/data (synthetic data) before the others read it
             if self.ctx.is_main == main_turn:
-                self.env, self.train_tasks, dev_tasks = task_builder.build(cfg, run)
+                self.env, self.train_tasks, dev_tasks = prepared or task_builder.prepare(cfg, run, self.tok)
             barrier(self.ctx)
         self.dev = dev_tasks[: cfg.eval.n_dev]
         self.tasks_by_id = {t.id: t for t in self.train_tasks + self.dev}
@@ -723,13 +781,13 @@ class Trainer:
                 raise FileNotFoundError(f"signals.self_distill.trajectories: file not found: {path} (make it with `keel distill`)")
             examples = self_distillation_examples(read_trajectories(path), packed=cfg.sft.packed)
             if not examples:
-                raise ValueError(f"signals.self_distill.trajectories: {path} has no usable episodes")
+                raise UserError(f"signals.self_distill.trajectories: {path} has no usable episodes")
             p.summary["sft_source"] = f"self-distillation: {path}"
         else:
             golds = [gold_trajectory(self.tok, self.env, t) for t in self.train_tasks]
             examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=cfg.sft.packed)]
             if not examples:
-                raise ValueError("sft: no gold trajectory could be replayed in the environment (every gold call failed)")
+                raise UserError("sft: no gold trajectory could be replayed in the environment (every gold call failed)")
             p.summary["sft_gold_failed"] = sum(1 for g in golds if not g.info.get("gold_ok", True))
         p.summary["sft_examples"] = len(examples)
         bar = _progress(cfg.sft.steps, "sft", cfg.run.progress and self.ctx.is_main)
@@ -995,12 +1053,14 @@ class Trainer:
     def finish(self, interrupted: bool = False) -> dict[str, Any]:
         p = self.p
         s = p.summary
-        s["eval_final"] = p.last_eval if p.last_eval is not None else s.get("eval_after_sft") or s.get("eval_before_sft")
+        # the final evaluation of a finished run; an interrupted one has none yet (not the pre-SFT one)
+        s["eval_final"] = None if interrupted else p.last_eval if p.last_eval is not None else s.get("eval_after_sft") or s.get("eval_before_sft")
         s["peak"] = p.peak if p.peak["step"] is not None else None
         s["steps"] = p.step
         s["grpo_steps_done"] = p.rl_done
         s["phase"] = p.phase
         s["interrupted"] = interrupted
+        s["interrupted_by"] = self.interrupted.signal_name if interrupted else None  # SIGINT | SIGTERM
         lift = self.rl_lift() if self.ctx.is_main else None
         if lift is not None:
             s.update(lift)

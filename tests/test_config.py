@@ -65,3 +65,44 @@ def test_batch_baseline_refuses_ops():
     with pytest.raises(ConfigError, match="grpo.baseline: batch does not combine with signals.ops"):
         load_config(None, ["grpo.baseline=batch", "signals.ops.enabled=true"])
     assert load_config(None, ["grpo.baseline=batch"]).grpo.baseline == "batch"
+
+
+def test_an_unknown_nested_key_names_the_file_once(tmp_path):
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("detectors:\n  kl_spike:\n    zz: 1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(unknown)
+    assert str(e.value).count(str(unknown)) == 1 and "detectors.kl_spike.zz" in str(e.value)
+
+
+def test_presets_resolve_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("smoke", "smoke.yaml", "configs/smoke.yaml"):
+        assert load_config(name).model.name == "tiny", name
+    (tmp_path / "mine.yaml").write_text("grpo:\n  steps: 7\n")
+    assert load_config("mine.yaml").grpo.steps == 7  # the current directory first
+    with pytest.raises(ConfigError, match=r"config file not found: configs/nosuch.yaml \(looked at"):
+        load_config("configs/nosuch.yaml")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("grpo.lr=nan", "grpo.lr must be a finite number"),
+    ("grpo.lr=-1", "grpo.lr must be > 0"),
+    ("grpo.kl_coef=-0.1", "grpo.kl_coef must be ≥ 0"),
+    ("grpo.max_grad_norm=0", "grpo.max_grad_norm must be > 0"),
+    ("detectors.kl_spike.z=inf", "detectors.kl_spike.z must be a finite number"),
+    ("eval.n_dev=0", "eval.n_dev must be ≥ 1"),
+    ("eval.batch_size=0", "eval.batch_size must be ≥ 1"),
+    ("rollout.max_new_tokens=0", "rollout.max_new_tokens must be ≥ 1"),
+    ("rollout.group_size=1", "a group of one has advantage 0 and trains nothing"),
+])
+def test_numeric_settings_are_checked_before_anything_runs(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_group_size_one_is_fine_without_grpo_or_with_added_gold_members():
+    assert load_config("smoke", ["rollout.group_size=1", "grpo.steps=0"]).rollout.group_size == 1
+    assert load_config("smoke", ["rollout.group_size=1", "signals.ops.enabled=true", "signals.ops.mode=add"]).rollout.group_size == 1
+    assert load_config("smoke", ["rollout.group_size=1", "grpo.baseline=batch"]).rollout.group_size == 1  # REINFORCE with a batch baseline

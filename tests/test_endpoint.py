@@ -141,3 +141,81 @@ def test_endpoint_policy_drives_a_kg_episode():
         assert [m["role"] for m in second] == ["system", "user", "assistant", "user"]
         assert "<tools>" in second[0]["content"] and "get_tail_entities" in second[0]["content"]
         assert second[3]["content"] == '<tool_response>\n["Bob (m.bob)"]\n</tool_response>'
+
+
+def test_timeout_is_a_total_deadline_not_a_per_read_one():
+    """A server that sends its body one byte every 0.2 s never lets a per-read timeout fire;
+    the deadline covers the whole request."""
+    import time
+
+    class Drip(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            try:
+                for _ in range(1000):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except OSError:
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EndpointError, match=r"/chat/completions: no complete response within 1 s"):
+            chat(url, "m", [{"role": "user", "content": "x"}], timeout=1)
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_failed_requests_are_retried_with_back_off_and_client_errors_are_not():
+    with LoopbackServer([(503, "busy"), (500, "oops"), "ok", (400, '{"error": "bad model"}')]) as server:
+        assert chat(server.base_url, "m", [{"role": "user", "content": "x"}], retries=2, backoff=0.01) == "ok"
+        assert len(server.requests) == 3
+        with pytest.raises(EndpointError, match="HTTP 400.*bad model"):
+            chat(server.base_url, "m", [{"role": "user", "content": "x"}], retries=2, backoff=0.01)
+        assert len(server.requests) == 4  # a 400 is not tried again
+    with LoopbackServer([(500, "a"), (500, "b")]) as server:
+        with pytest.raises(EndpointError, match=r"HTTP 500.*\(after 2 attempts\)"):
+            chat(server.base_url, "m", [{"role": "user", "content": "x"}], retries=1, backoff=0.01)
+
+
+def test_eval_keeps_what_it_has_when_one_question_fails(tmp_path, capsys):
+    """q0 answered; q1's request fails on both attempts (recorded as its error, scored 0); q2
+    answered; the summary counts the error."""
+    from keel.cli import main
+
+    (tmp_path / "kb.tsv").write_text("m.film\tfilm.film.directed_by\tm.bob\n")
+    rows = [Task(id=f"q{i}", question=f"Who directed m.film ({i})?", answers=["m.bob"]).to_dict() for i in range(3)]
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "ev"
+    with LoopbackServer(["<answer>m.bob</answer>", (500, "down"), (502, "still down"), "<answer>m.bob</answer>"]) as server:
+        rc = main(["eval", "--env", "kg", "--data", str(tmp_path / "q.jsonl"), "--kb", str(tmp_path / "kb.tsv"), "--policy", "endpoint",
+                   "--base-url", server.base_url, "--endpoint-model", "m", "--retries", "1", "--backoff", "0.01", "--timeout", "5",
+                   "--out", str(out)])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 3 and summary["request_errors"] == 1 and summary["eval/em"] == pytest.approx(2 / 3)
+    results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["em"] for r in results] == [1.0, 0.0, 1.0] and "HTTP 502" in results[1]["error"] and "error" not in results[0]
+    assert "question q1:" in capsys.readouterr().err
+
+
+def test_eval_help_has_timeout_and_retries(capsys):
+    from keel.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = capsys.readouterr().out
+    assert "--timeout" in text and "--retries" in text

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from keel.errors import UserError
 from keel.fc.parse import AnswerOnceEpisode
 from keel.rundir import iter_jsonl_strict
 from keel.types import Task, ToolCall
@@ -48,7 +49,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
     for lineno, row in iter_jsonl_strict(path, "ACEBench data file"):
         if not isinstance(row, dict) or "id" not in row:
-            raise ValueError(f"{path}:{lineno}: expected an object with an 'id'")
+            raise UserError(f"{path}:{lineno}: expected an object with an 'id'")
         rows.append(row)
     return rows
 
@@ -71,7 +72,7 @@ def load_acebench(data_dir: str | Path = DEFAULT_DATA_DIR, categories: list[str]
     tasks: list[Task] = []
     for cat in wanted:
         if cat.startswith("agent"):
-            raise ValueError(f"ACEBench category {cat!r} needs ACEBench's sandbox classes, which Keel does not ship")
+            raise UserError(f"ACEBench category {cat!r} needs ACEBench's sandbox classes, which Keel does not ship")
         if cat not in available:
             raise FileNotFoundError(f"{root}/data_{cat}.json not found (have: {sorted(available)})")
         answer_path = root / "possible_answer" / f"data_{cat}.json"
@@ -83,10 +84,10 @@ def load_acebench(data_dir: str | Path = DEFAULT_DATA_DIR, categories: list[str]
             rows = rows[:limit]
         for row in rows:
             if row["id"] not in answers:
-                raise ValueError(f"{answer_path}: no answer for {row['id']}")
+                raise UserError(f"{answer_path}: no answer for {row['id']}")
             for key in ("question", "function"):
                 if key not in row:
-                    raise ValueError(f"{available[cat]}: item {row['id']} has no {key!r}")
+                    raise UserError(f"{available[cat]}: item {row['id']} has no {key!r}")
             tasks.append(_task(cat, row, answers[row["id"]]))
     return tasks
 
@@ -100,7 +101,7 @@ def _task(cat: str, row: dict[str, Any], answer: Any) -> Task:
     else:
         first = answer[0] if isinstance(answer, list) else answer
         if not isinstance(first, dict):
-            raise ValueError(f"ACEBench {row['id']}: normal answer must be {{ApiName: {{args}}}}, got {type(first).__name__}")
+            raise UserError(f"ACEBench {row['id']}: normal answer must be {{ApiName: {{args}}}}, got {type(first).__name__}")
         names = {f["name"] for f in functions}
         gold = [{"name": real_name(n, names), "arguments": a} for n, a in first.items()]
     return Task(id=row["id"], question=row["question"], answers=[], gold_turns=[gold], kind=cat, meta=meta)

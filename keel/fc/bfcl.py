@@ -32,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from keel.errors import UserError
 from keel.rundir import iter_jsonl_strict
 from keel.fc.parse import AnswerOnceEpisode, CallParseError, canonical_call, parse_calls, parse_python_calls
 from keel.types import Observation, Task, ToolCall
@@ -75,7 +76,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def func_docs(class_name: str) -> tuple[dict[str, Any], ...]:
     """bfcl-eval's function docs of one simulator class (BFCL's own JSON format)."""
     if class_name not in MULTI_TURN_FUNC_DOC_FILE_MAPPING:
-        raise KeyError(f"unknown BFCL class {class_name!r}; known: {sorted(MULTI_TURN_FUNC_DOC_FILE_MAPPING)}")
+        raise UserError(f"unknown BFCL class {class_name!r}; known: {sorted(MULTI_TURN_FUNC_DOC_FILE_MAPPING)}")
     return tuple(_read_jsonl(DATA_DIR / "multi_turn_func_doc" / MULTI_TURN_FUNC_DOC_FILE_MAPPING[class_name]))
 
 
@@ -149,7 +150,7 @@ def load_bfcl_multi_turn(category: str, limit: int | None = None, ids: list[str]
     """
     cat = category.removeprefix("multi_turn_")
     if cat not in MULTI_TURN_CATEGORIES:
-        raise ValueError(f"unknown BFCL multi-turn category {category!r}; expected one of {MULTI_TURN_CATEGORIES}")
+        raise UserError(f"unknown BFCL multi-turn category {category!r}; expected one of {MULTI_TURN_CATEGORIES}")
     from bfcl_eval.utils import populate_test_cases_with_predefined_functions
 
     entries = _read_jsonl(_data_file(f"multi_turn_{cat}"))
@@ -163,10 +164,10 @@ def load_bfcl_multi_turn(category: str, limit: int | None = None, ids: list[str]
     tasks = []
     for e in entries:
         if e["id"] not in answers:
-            raise ValueError(f"{_data_file(f'multi_turn_{cat}', answer=True)}: no ground truth for {e['id']}")
+            raise UserError(f"{_data_file(f'multi_turn_{cat}', answer=True)}: no ground truth for {e['id']}")
         gt = answers[e["id"]]
         if len(gt) != len(e["question"]):
-            raise ValueError(f"{e['id']}: {len(gt)} ground-truth turns for {len(e['question'])} user turns")
+            raise UserError(f"{e['id']}: {len(gt)} ground-truth turns for {len(e['question'])} user turns")
         tasks.append(
             Task(
                 id=e["id"],
@@ -484,7 +485,7 @@ class BfclEnv:
 
     def __init__(self, call_format: str = "json", step_limit: int = STEP_LIMIT):
         if call_format not in ("json", "python", "python_tagged"):
-            raise ValueError(f"unknown call_format {call_format!r}")
+            raise UserError(f"unknown call_format {call_format!r}")
         self.call_format = call_format
         self.step_limit = step_limit
 
@@ -544,7 +545,7 @@ def load_bfcl_single_turn(category: str, limit: int | None = None) -> list[Task]
     """A single-turn category as Tasks; `meta["possible_answer"]` is BFCL's answer (None for the
     relevance / irrelevance categories, which have none)."""
     if category not in SINGLE_TURN_CATEGORIES:
-        raise ValueError(f"unknown BFCL single-turn category {category!r}; expected one of {SINGLE_TURN_CATEGORIES}")
+        raise UserError(f"unknown BFCL single-turn category {category!r}; expected one of {SINGLE_TURN_CATEGORIES}")
     entries = _read_jsonl(_data_file(category))
     answers = {}
     if "relevance" not in category:
@@ -556,7 +557,7 @@ def load_bfcl_single_turn(category: str, limit: int | None = None) -> list[Task]
         messages = e["question"][0]
         pa = answers.get(e["id"])
         if "relevance" not in category and pa is None:
-            raise ValueError(f"{_data_file(category, answer=True)}: no ground truth for {e['id']}")
+            raise UserError(f"{_data_file(category, answer=True)}: no ground truth for {e['id']}")
         required = {f["name"]: tuple(f.get("parameters", {}).get("required", [])) for f in e["function"]}
         gold = [{"name": n, "arguments": oracle_arguments(a, required.get(n, ()))} for d in (pa or []) for n, a in d.items()]
         tasks.append(

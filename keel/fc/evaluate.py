@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from keel.errors import UserError
 from keel.fc.policies import make_oracle, null_policy, run_fc_episode
 from keel.types import Task
 
@@ -42,7 +43,7 @@ def resolve_policy(policy: Any, call_format: str) -> Callable:
     if policy == "null":
         return null_policy
     if isinstance(policy, str):
-        raise ValueError(f"unknown policy {policy!r}: expected 'oracle', 'null' or a callable")
+        raise UserError(f"unknown policy {policy!r}: expected 'oracle', 'null' or a callable")
     if getattr(policy, "is_policy_factory", False):
         return policy(call_format)
     return policy
@@ -80,7 +81,7 @@ def _load_bfcl(categories: list[str], limit: int | None) -> list[Task]:
         elif c in SINGLE_TURN_CATEGORIES:
             tasks += load_bfcl_single_turn(c, limit=limit)
         else:
-            raise ValueError(f"unknown BFCL category {c!r}")
+            raise UserError(f"unknown BFCL category {c!r}")
     return tasks
 
 
@@ -97,7 +98,7 @@ def _env_for(env_name: str, task: Task, call_format: str):
         from keel.fc.learnable import LearnableEnv
 
         return LearnableEnv(call_format)
-    raise ValueError(f"unknown env {env_name!r}; expected 'bfcl', 'acebench' or 'fc_learn'")
+    raise UserError(f"unknown env {env_name!r}; expected 'bfcl', 'acebench' or 'fc_learn'")
 
 
 def _max_turns(task: Task) -> int:
@@ -122,8 +123,13 @@ def evaluate_fc(
     call_formats: tuple[str, ...] = ("json",),
     heldout_classes: tuple[str, ...] = (),
     limit: int | None = None,
+    recover: tuple[type[BaseException], ...] = (),
 ) -> dict[str, Any]:
     """Run `policy` on every task of `env_name` and write out_dir/summary.json + results.jsonl.
+
+    recover: exception types (an endpoint's EndpointError) that fail one task, not the whole
+    evaluation, once some task has run: the task is scored 0 with its `error`; before any has,
+    they are raised (as keel.evaluate.evaluate_text_policy does).
 
     data: Tasks, or (ACEBench) the directory holding data_<category>.json; None = BFCL's packaged
     data / ACEBench sample. categories: default all four BFCL multi-turn categories / all ACEBench
@@ -133,17 +139,27 @@ def evaluate_fc(
     `content_ood/accuracy/<category>` next to `content_id/accuracy/<category>`.
     """
     if env_name not in ("bfcl", "acebench", "fc_learn"):
-        raise ValueError(f"unknown env {env_name!r}; expected 'bfcl', 'acebench' or 'fc_learn'")
+        raise UserError(f"unknown env {env_name!r}; expected 'bfcl', 'acebench' or 'fc_learn'")
     if not call_formats:
-        raise ValueError("call_formats must name at least one format")
+        raise UserError("call_formats must name at least one format")
     tasks = _load_tasks(env_name, data, categories, limit)
     rows: list[dict[str, Any]] = []
+    ran = 0
     for fmt in call_formats:
         fn = resolve_policy(policy, fmt)
         for task in tasks:
             env = _env_for(env_name, task, fmt)
-            episode, info = run_fc_episode(env, task, fn, _max_turns(task))
             ood = bool(set(task_classes(task)) & set(heldout_classes))
+            try:
+                episode, info = run_fc_episode(env, task, fn, _max_turns(task))
+            except recover as exc:
+                if not ran:
+                    raise
+                rows.append({"id": task.id, "category": task.kind, "call_format": fmt, "content_split": "ood" if ood else "id",
+                             "valid": False, "score": 0.0, "error_type": "request_error", "error": str(exc), "assistant_turns": 0,
+                             "num_calls": 0, "truncated": False})
+                continue
+            ran += 1
             rows.append(
                 {
                     "id": task.id,
@@ -159,6 +175,8 @@ def evaluate_fc(
                 }
             )
     summary = summarise(env_name, rows, call_formats, bool(heldout_classes))
+    if recover:
+        summary["request_errors"] = sum(1 for r in rows if "error" in r)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -175,7 +193,7 @@ def _load_tasks(env_name: str, data: Any, categories: list[str] | None, limit: i
         return tasks[:limit] if limit is not None else tasks
     if env_name == "bfcl":
         if data is not None:
-            raise ValueError("bfcl reads bfcl-eval's packaged data; pass Tasks as `data` to use others")
+            raise UserError("bfcl reads bfcl-eval's packaged data; pass Tasks as `data` to use others")
         return _load_bfcl(list(categories or MULTI_TURN_PARTS), limit)
     if env_name == "acebench":
         from keel.fc.acebench import DEFAULT_DATA_DIR, load_acebench
@@ -185,7 +203,7 @@ def _load_tasks(env_name: str, data: Any, categories: list[str] | None, limit: i
         from keel.fc.learnable import generate_tasks
 
         return generate_tasks(limit or 100, seed=0)
-    raise ValueError(f"unknown env {env_name!r}; expected 'bfcl', 'acebench' or 'fc_learn'")
+    raise UserError(f"unknown env {env_name!r}; expected 'bfcl', 'acebench' or 'fc_learn'")
 
 
 def _accuracies(rows: list[dict[str, Any]], key: str = "score") -> tuple[dict[str, float], dict[str, int]]:

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from keel.errors import UserError
 from keel.kg.oracle import run_plan
 from keel.kg.store import MemoryStore
 from keel.types import Task
@@ -35,6 +36,25 @@ def _open_text(path: Path) -> io.TextIOBase:
     return open(path, encoding="utf-8")
 
 
+def _readable(path: Path, what: str):
+    """Turn a decoding failure while reading `path` into one UserError naming the file: Keel
+    reads UTF-8 text (plain or gzipped); a binary or Latin-1 file is said to be one."""
+
+    class Guard:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, exc, tb):
+            if isinstance(exc, UnicodeDecodeError):
+                raise UserError(f"{what} {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start} of a "
+                                "read block); Keel reads UTF-8 files, plain or gzipped") from None
+            if isinstance(exc, (EOFError, gzip.BadGzipFile, OSError)) and not isinstance(exc, FileNotFoundError):
+                raise UserError(f"{what} {path} cannot be read ({type(exc).__name__}: {exc})") from None
+            return False
+
+    return Guard()
+
+
 # --- triples ---------------------------------------------------------------------------------
 def read_triples(path: str | Path) -> Iterator[tuple[str, str, str]]:
     """(head, relation, tail) from a `head\\trelation\\ttail` or `head|relation|tail` file,
@@ -43,19 +63,21 @@ def read_triples(path: str | Path) -> Iterator[tuple[str, str, str]]:
     fields raises ValueError naming the file and line number."""
     path = Path(path)
     separator: str | None = None
-    with _open_text(path) as f:
+    with _readable(path, "triples file"), _open_text(path) as f:
         for lineno, line in enumerate(f, 1):
+            if "\x00" in line:
+                raise UserError(f"{path}:{lineno}: a NUL byte: this is a binary file, not triples text")
             line = line.rstrip("\r\n")
             if not line.strip():
                 continue
             if separator is None:
                 separator = "\t" if "\t" in line else "|" if "|" in line else None
                 if separator is None:
-                    raise ValueError(f"{path}:{lineno}: neither a tab nor '|' separates the fields")
+                    raise UserError(f"{path}:{lineno}: neither a tab nor '|' separates the fields")
             fields = line.split(separator)
             if len(fields) != 3 or not all(fields):
                 shown = "tab" if separator == "\t" else "'|'"
-                raise ValueError(f"{path}:{lineno}: expected 3 non-empty {shown}-separated fields, got {len(fields)}: {line[:80]!r}")
+                raise UserError(f"{path}:{lineno}: expected 3 non-empty {shown}-separated fields, got {len(fields)}: {line[:80]!r}")
             yield fields[0], fields[1], fields[2]
 
 
@@ -64,7 +86,7 @@ def load_store(path: str | Path | Iterable[str | Path]) -> MemoryStore:
     triples become names."""
     paths = [path] if isinstance(path, (str, Path)) else list(path)
     if not paths:
-        raise ValueError("load_store: no triple file given")
+        raise UserError("load_store: no triple file given")
 
     def all_triples() -> Iterator[tuple[str, str, str]]:
         for p in paths:
@@ -88,6 +110,11 @@ def load_tasks(path: str | Path, fmt: str = "auto", store=None, consistent_only:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"load_tasks: no such file: {path}")
+    with _readable(path, "questions file"):
+        return _load_tasks(path, fmt, store, consistent_only)
+
+
+def _load_tasks(path: Path, fmt: str, store, consistent_only: bool) -> list[Task]:
     if fmt == "auto":
         fmt = _detect_format(path)
     if fmt == "keel":
@@ -98,21 +125,26 @@ def load_tasks(path: str | Path, fmt: str = "auto", store=None, consistent_only:
         return _pathquestion_tasks(path, store)
     if fmt == "metaqa":
         return _metaqa_tasks(path, store, consistent_only)
-    raise ValueError(f"load_tasks: unknown format {fmt!r} for {path}; use one of {', '.join(FORMATS)} or auto")
+    raise UserError(f"load_tasks: unknown format {fmt!r} for {path}; use one of {', '.join(FORMATS)} or auto")
 
 
 def _detect_format(path: Path) -> str:
     with _open_text(path) as f:
-        head = f.read(65536)
-    first = next((line for line in head.splitlines() if line.strip()), "")
-    stripped = head.lstrip()
+        first = ""
+        for line in f:  # the whole first non-blank line, however long (a 1 MB question is still one record)
+            if line.strip():
+                first = line.rstrip("\r\n")
+                break
+    if "\x00" in first:
+        raise UserError(f"load_tasks: {path} holds NUL bytes: a binary file, not questions")
+    stripped = first.lstrip()
     if stripped.startswith("["):
         return "cwq"  # ToG's and the original CWQ files are JSON lists; Keel and MetaQA are JSON lines
     if stripped.startswith("{"):
         try:
             record = json.loads(first)
         except json.JSONDecodeError:
-            raise ValueError(f"load_tasks: cannot tell the format of {path}: its first line is not one JSON record; pass fmt=") from None
+            raise UserError(f"load_tasks: cannot tell the format of {path}: its first line is not one JSON record; pass fmt=") from None
         if "relation_path" in record:
             return "metaqa"
         if "ID" in record:
@@ -121,7 +153,7 @@ def _detect_format(path: Path) -> str:
             return "keel"
     elif len(first.split("\t")) == 3 and "#" in first.split("\t")[2]:
         return "pathquestion"
-    raise ValueError(f"load_tasks: cannot tell the format of {path}; pass fmt= one of {', '.join(FORMATS)}")
+    raise UserError(f"load_tasks: cannot tell the format of {path}; pass fmt= one of {', '.join(FORMATS)}")
 
 
 def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -132,10 +164,10 @@ def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         try:
             records = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            raise UserError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         for k, record in enumerate(records):
             if not isinstance(record, dict):
-                raise ValueError(f"{path}: item {k} is not a JSON object")
+                raise UserError(f"{path}: item {k} is not a JSON object")
             yield k, record
         return
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -144,9 +176,9 @@ def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{path}:{lineno}: not a JSON object")
+            raise UserError(f"{path}:{lineno}: not a JSON object")
         yield lineno, record
 
 
@@ -181,7 +213,7 @@ def _cwq_task(record: dict[str, Any], path: Path, where: int) -> Task:
             },
         )
     except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{path}: CWQ record {where} lacks a field or has a wrong type ({type(exc).__name__}: {exc})") from None
+        raise UserError(f"{path}: CWQ record {where} lacks a field or has a wrong type ({type(exc).__name__}: {exc})") from None
 
 
 def _parse_pathquestion_answers(field: str) -> list[str]:
@@ -213,13 +245,13 @@ def _pathquestion_tasks(path: Path, store) -> list[Task]:
                 continue
             fields = line.split("\t")
             if len(fields) != 3:
-                raise ValueError(f"{path}:{lineno}: expected question, answers and path separated by tabs, got {len(fields)} fields")
+                raise UserError(f"{path}:{lineno}: expected question, answers and path separated by tabs, got {len(fields)} fields")
             question, answer_field, path_field = fields[0].strip(), fields[1].strip(), fields[2].strip()
             chain = path_field.split("#")
             if "<end>" in chain:
                 chain = chain[: chain.index("<end>")]
             if len(chain) < 3 or len(chain) % 2 == 0:
-                raise ValueError(f"{path}:{lineno}: gold path {path_field[:80]!r} is not topic#relation#entity[#relation#entity...]")
+                raise UserError(f"{path}:{lineno}: gold path {path_field[:80]!r} is not topic#relation#entity[#relation#entity...]")
             answers = _parse_pathquestion_answers(answer_field)
             topic = chain[0]
             hops, turns, triples = [], [], []
@@ -278,5 +310,5 @@ def _metaqa_tasks(path: Path, store, consistent_only: bool) -> list[Task]:
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{path}:{lineno}: MetaQA record lacks a field or has a wrong type ({type(exc).__name__}: {exc})") from None
+            raise UserError(f"{path}:{lineno}: MetaQA record lacks a field or has a wrong type ({type(exc).__name__}: {exc})") from None
     return tasks

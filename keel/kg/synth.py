@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from keel.errors import UserError
 from keel.kg.oracle import run_plan
 from keel.kg.store import NAME_RELATION, MemoryStore
 from keel.types import Task
@@ -347,7 +348,7 @@ def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: t
     subset's questions are those the full set would have drawn for its kinds."""
     unknown = sorted(set(kinds) - set(KINDS))
     if unknown or not kinds:
-        raise ValueError(f"synth: question kinds must be a non-empty subset of {', '.join(KINDS)}; got {', '.join(kinds) or 'none'}")
+        raise UserError(f"synth: question kinds must be a non-empty subset of {', '.join(KINDS)}; got {', '.join(kinds) or 'none'}")
     rng = random.Random(seed * 7919 + 1)  # a stream apart from the graph's
     pools = _candidates(kg, rng)
     by_template: dict[str, dict[str, list]] = {}
@@ -387,7 +388,7 @@ def generate_splits(seed: int = 0, train: int = 1000, dev: int = 100, test: int 
     kg = build_kg(seed, c)
     tasks = build_tasks(kg, seed, train + dev + test, c.max_calls_per_turn, tuple(c.kinds), c.max_hops)
     if len(tasks) < train + dev + test:
-        raise ValueError(f"synth: the graph supports only {len(tasks)} distinct questions, {train + dev + test} asked; enlarge SynthConfig")
+        raise UserError(f"synth: the graph supports only {len(tasks)} distinct questions, {train + dev + test} asked; enlarge SynthConfig")
     random.Random(seed * 104729 + 2).shuffle(tasks)
     splits = {"train": tasks[:train], "dev": tasks[train : train + dev], "test": tasks[train + dev :]}
     for split, items in splits.items():

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from keel.diagnostics.episode_metrics import episode_record, is_valid_call
+from keel.errors import UserError
 from keel.rewards import is_empty_observation
 from keel.rundir import iter_jsonl_strict
 from keel.sft import SFTExample, decompose
@@ -119,5 +120,5 @@ def read_trajectories(path: str | Path) -> list[Trajectory]:
         try:
             out.append(Trajectory.from_dict(row))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{path}:{lineno}: not a trajectory ({type(exc).__name__}: {str(exc)[:80]})") from None
+            raise UserError(f"{path}:{lineno}: not a trajectory ({type(exc).__name__}: {str(exc)[:80]})") from None
     return out

@@ -19,6 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from keel.errors import UserError
 from keel.tools.schema import ArgumentChecker, one_line
 from keel.types import Observation, Task, ToolCall
 
@@ -93,7 +94,7 @@ class ToolsEnv:
         self.backend = backend
         self.by_name = {t.name: t for t in backend.tools}
         if len(self.by_name) != len(backend.tools):
-            raise ValueError("tools: two tools have the same name")
+            raise UserError("tools: two tools have the same name")
         self.instructions = instructions or DEFAULT_INSTRUCTIONS
         self.call_timeout_s = call_timeout_s
         self.max_output_chars = max_output_chars

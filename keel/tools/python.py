@@ -28,6 +28,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+from keel.errors import UserError
 from keel.tools.env import CallResult, Tool, format_exception
 from keel.tools.schema import STATE_ARGUMENT, ToolSchemaError, function_schema, load_openai_tools, takes_state
 from keel.types import Task
@@ -35,7 +36,7 @@ from keel.types import Task
 MAKE_STATE = "make_state"
 
 
-class ToolLoadError(ValueError):
+class ToolLoadError(UserError):
     """A tool spec that cannot be loaded (module missing, no such function); one line."""
 
 

@@ -26,11 +26,13 @@ from typing import Any, Callable
 
 import jsonschema
 
+from keel.errors import UserError
+
 STATE_ARGUMENT = "state"
 MAX_ERROR_CHARS = 200  # a validation message quotes the bad value; keep the model's view to one short line
 
 
-class ToolSchemaError(ValueError):
+class ToolSchemaError(UserError):
     """A tool whose schema cannot be built or is not a valid JSON schema (a user error; one line)."""
 
 

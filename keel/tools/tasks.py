@@ -21,12 +21,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from keel.errors import UserError
 from keel.types import Task
 
 KNOWN = ("id", "prompt", "messages", "answer", "gold_calls")
 
 
-class TaskFileError(ValueError):
+class TaskFileError(UserError):
     """A malformed line; the message names the file and line."""
 
 
