@@ -441,7 +441,7 @@ def _config_eval(args, out: Path) -> dict:
 
     cfg = load_config(args.config, args.overrides)
     if args.split not in ("dev", "train"):
-        raise ValueError(f"eval --config: --split must be dev or train, got {args.split!r}")
+        raise UserError(f"eval --config: --split must be dev or train, got {args.split!r}")
     env, train, dev = task_builder.build(cfg, out, training=False)  # a synthetic KG is written to DIR/data
     try:
         tasks = dev if args.split == "dev" else train
@@ -466,7 +466,7 @@ def _config_eval(args, out: Path) -> dict:
 
                 missing = [t.id for t in tasks if not has_gold(t)]
                 if args.policy == "oracle" and missing:
-                    raise ValueError(f"eval --policy oracle replays gold_calls, but task {missing[0]!r} (and {len(missing) - 1} more) has none")
+                    raise UserError(f"eval --policy oracle replays gold_calls, but task {missing[0]!r} (and {len(missing) - 1} more) has none")
                 policy = gold_replay_policy if args.policy == "oracle" else null_policy
             means, rows, trajs = evaluate_text_policy(env, tasks, policy, max_turns)
         else:
