@@ -10,6 +10,7 @@ CLI tests membership with isinstance, never `type(e) is ...`, so every subclass 
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 USAGE = 2  # exit status of a user error (argparse's own)
 
@@ -48,6 +49,17 @@ def os_error_message(exc: OSError, doing: str = "") -> str:
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         text += " (the disk is full: free space, then continue with `keel train --resume RUN_DIR` if a run was interrupted)"
     return text
+
+
+def read_user_text(path: str | Path, what: str = "") -> str:
+    """The text of a file the user gave, or a UserError naming it: Keel reads UTF-8, and a
+    binary or Latin-1 file is said to be one (a missing file stays an OSError, said as one)."""
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what + ' ' if what else ''}{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                        "Keel reads UTF-8 files") from None
 
 
 class Aborted(KeyboardInterrupt):

@@ -72,11 +72,23 @@ def inputs(tmp_path_factory):
     (d / "latin1_q.jsonl").write_bytes((json.dumps(tasks[0].to_dict(), ensure_ascii=False).replace("Who", "Qui é") + "\n").encode("latin-1"))
     (d / "binary_q.jsonl").write_bytes(b"\x00\x01\x02\xff\xfe" * 400)
     (d / "a_file").write_text("not a directory\n")
+    (d / "latin1_tasks.jsonl").write_bytes('{"prompt": "Combien de clients à Lyon ?", "answer": "3"}\n'.encode("latin-1"))
+    (d / "binary_tasks.jsonl").write_bytes(bytes(range(256)) * 16)
+    (d / "latin1_tools.json").write_bytes('[{"name": "run_sql", "description": "Exécute"}]'.encode("latin-1"))
+    (d / "binary_tools.json").write_bytes(b"\x00\x01\x02\xff\xfe" * 400)
+    (d / "deep_tools.json").write_text("[" * 100_000)
     return d
 
 
 def _files(kb: str, train: str = "q.jsonl") -> list[str]:
     return ["--set", "data.source=files", "--set", f"data.kb=DIR/{kb}", "--set", f"data.train=DIR/{train}", "--set", "data.dev=DIR/q.jsonl"]
+
+
+def _tools(train: str = "examples/sql_tools/train.jsonl", schema: str = "") -> list[str]:
+    tools = ["env.tools_file=", f"env.tools_schema={schema}", "env.dispatcher=examples/sql_tools/dispatch.py:dispatch"] if schema \
+        else ["env.tools_file=examples/sql_tools/tools.py"]
+    sets = ["env.kind=tools", *tools, "data.source=jsonl", f"data.train={train}", "data.dev=examples/sql_tools/dev.jsonl"]
+    return [a for kv in sets for a in ("--set", kv)]
 
 
 TRAIN_ERRORS = [
@@ -85,6 +97,11 @@ TRAIN_ERRORS = [
     (_files("kb.tsv", "latin1_q.jsonl"), "latin1_q.jsonl is not UTF-8 text"),
     (_files("kb.tsv", "binary_q.jsonl"), "binary_q.jsonl"),
     (_files("empty_kb.tsv"), "empty_kb.tsv holds no triples"),
+    (_tools(train="DIR/latin1_tasks.jsonl"), "latin1_tasks.jsonl is not UTF-8 text"),
+    (_tools(train="DIR/binary_tasks.jsonl"), "binary_tasks.jsonl is not UTF-8 text"),
+    (_tools(schema="DIR/latin1_tools.json"), "latin1_tools.json is not UTF-8 text"),
+    (_tools(schema="DIR/binary_tools.json"), "binary_tools.json is not UTF-8 text"),
+    (_tools(schema="DIR/deep_tools.json"), "deep_tools.json: not JSON"),
     (["--set", "grpo.lr=nan"], "grpo.lr must be a finite number"),
     (["--set", "grpo.lr=-1"], "grpo.lr must be > 0"),
     (["--set", "sft.lr=inf"], "sft.lr must be a finite number"),

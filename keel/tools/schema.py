@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import jsonschema
 
-from keel.errors import UserError
+from keel.errors import UserError, read_user_text
 
 STATE_ARGUMENT = "state"
 MAX_ERROR_CHARS = 200  # a validation message quotes the bad value; keep the model's view to one short line
@@ -151,9 +151,11 @@ def load_openai_tools(path: str | Path) -> list[dict[str, Any]]:
     an object with such a list under "tools". Raises ToolSchemaError naming the entry."""
     p = Path(path)
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_user_text(p, "tools file"))
     except json.JSONDecodeError as e:
         raise ToolSchemaError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise ToolSchemaError(f"{p}: not JSON (nested too deeply)") from None
     if isinstance(data, dict) and "tools" in data:
         data = data["tools"]
     if not isinstance(data, list) or not data:

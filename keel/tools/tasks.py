@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from keel.errors import UserError
+from keel.errors import UserError, read_user_text
 from keel.types import Task
 
 KNOWN = ("id", "prompt", "messages", "answer", "gold_calls")
@@ -34,7 +34,7 @@ class TaskFileError(UserError):
 def load_jsonl_tasks(path: str | Path) -> list[Task]:
     p = Path(path)
     tasks, seen = [], set()
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_user_text(p, "tasks file").splitlines(), 1):
         if not line.strip():
             continue
         where = f"{p}:{n}"
@@ -42,6 +42,8 @@ def load_jsonl_tasks(path: str | Path) -> list[Task]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise TaskFileError(f"{where}: not JSON ({e.msg})") from None
+        except RecursionError:
+            raise TaskFileError(f"{where}: not JSON (nested too deeply)") from None
         if not isinstance(row, dict):
             raise TaskFileError(f"{where}: a task must be a JSON object")
         task = task_from_row(row, f"{p.stem}-{n}", where)
