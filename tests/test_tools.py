@@ -78,6 +78,35 @@ def test_valid_calls_nullable_results_and_exceptions(user_tools):
     assert [c[0] for c in user_tools.CALLS] == ["add", "greet", "tag", "fail"]
 
 
+def test_a_result_json_cannot_encode_is_the_tool_s_error_answer():
+    """json.dumps(default=str) still raises on tuple keys (TypeError), a structure that holds
+    itself (ValueError) and deep nesting (RecursionError): each is that call's failed answer,
+    as an exception inside the tool is, and the episode goes on."""
+    from keel.tools.python import PythonTools
+
+    loop: list = []
+    loop.append(loop)
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    values = {"tuple keys": {("a", 1): 2}, "loop": loop, "deep": deep, "fine": {"a": (1, 2)}}
+
+    def odd(kind):
+        return values[kind]
+
+    schema = {"type": "function", "function": {"name": "odd", "description": "", "parameters": {
+        "type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"]}}}
+    ep = ToolsEnv(PythonTools([odd], schemas=[schema])).start(TASK)
+    for kind, reason in [("tuple keys", "(TypeError: keys must be str"), ("loop", "(ValueError: Circular reference detected)"),
+                         ("deep", "(RecursionError")]:
+        obs = ep.execute(ToolCall("odd", {"kind": kind}))
+        assert (obs.ok, obs.error) == (False, "tool_exception")
+        assert obs.text.startswith("Error: odd returned a value that JSON cannot encode " + reason) and "\n" not in obs.text
+        assert obs.resolved == ("odd", json.dumps({"kind": kind}))  # it ran: a failed call, counted as one
+    assert ep.execute(ToolCall("odd", {"kind": "fine"})).text == '{"a": [1, 2]}'
+    ep.close()
+
+
 def test_output_cap():
     ep = make_env(cap=10).start(TASK)
     assert ep.execute(ToolCall("big", {"n": 25})).text == "xxxxxxxxxx\n... (15 more characters not shown)"

@@ -6,7 +6,9 @@ What a call goes through, in order (the first that fails is the tool's answer, o
 3. its arguments validate against the tool's schema (`Error: bad arguments for f: ...`);
 4. the backend runs it within `call_timeout_s` (`Error: TimeoutError: f took longer than 10 s.`);
    an exception in the user's code is the answer `Error: ValueError: <message>`;
-5. the result, if not a string, is JSON-encoded, and cut at `max_output_chars`.
+5. the result, if not a string, is JSON-encoded (a value JSON cannot encode, such as a dict with
+   tuple keys, is the answer `Error: f returned a value that JSON cannot encode (TypeError: ...)`),
+   and cut at `max_output_chars`.
 Only step 4 runs user code, so no schema-invalid call reaches it (tests/test_tools.py fuzzes
 this with the strings Keel's BFCL parser is fuzzed with). Every failed call has `ok=False`
 and a machine-readable `error` (`bad_arguments`, `tool_exception`, `timeout`, ...), which
@@ -148,7 +150,11 @@ class ToolsEpisode:
         executed = (tool.name, _canonical(call.arguments))  # what makes two calls one (keel.rewards.call_key)
         if result.error is not None:
             return _fail(result.error, result.message, resolved=executed)
-        return Observation(text=result_text(result.value, self.env.max_output_chars), ok=True, resolved=executed)
+        try:  # tuple keys, a structure that holds itself, deep nesting: json.dumps raises even with default=str
+            text = result_text(result.value, self.env.max_output_chars)
+        except Exception as exc:
+            return _fail("tool_exception", f"{tool.name} returned a value that JSON cannot encode ({format_exception(exc)})", resolved=executed)
+        return Observation(text=text, ok=True, resolved=executed)
 
     def next_user_message(self) -> str | None:
         return None
