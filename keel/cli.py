@@ -350,6 +350,7 @@ def _eval(args) -> int:
     if args.config:
         if args.env or args.data or args.kb:
             raise UserError("eval --config takes its env and data from the preset; do not also give --env, --data or --kb")
+        _check_policy(args)
         with claim_run_dir(out) as lock:
             try:
                 summary = _config_eval(args, out)
@@ -364,12 +365,7 @@ def _eval(args) -> int:
     args.env = args.env or "kg"
     args.max_turns = args.max_turns or 5
     if args.env != "kg":
-        if args.policy == "endpoint":
-            _endpoint(args, None)
-        elif args.policy not in ("oracle", "null"):
-            from keel.models import check_model_name
-
-            check_model_name(args.policy, "--policy")
+        _check_policy(args)
         with claim_run_dir(out) as lock:
             try:
                 summary = _fc_eval(args)
@@ -382,12 +378,7 @@ def _eval(args) -> int:
     from keel.kg.env import KGEnv
 
     store, tasks = _kg_tasks(args)
-    if args.policy == "endpoint":
-        _endpoint(args, None)  # its arguments are checked before the directory exists
-    elif args.policy not in ("oracle", "null"):
-        from keel.models import check_model_name
-
-        check_model_name(args.policy, "--policy")
+    _check_policy(args)
     env = KGEnv(store)
     with claim_run_dir(out) as lock:
         try:
@@ -400,6 +391,17 @@ def _eval(args) -> int:
             raise
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _check_policy(args) -> None:
+    """--policy (an endpoint's arguments, or a model directory) is checked before the output
+    directory exists; its errors name --policy, not the training config's model.name."""
+    if args.policy == "endpoint":
+        _endpoint(args, None)
+    elif args.policy not in ("oracle", "null"):
+        from keel.models import check_model_name
+
+        check_model_name(args.policy, "--policy")
 
 
 def _kg_eval(args, env, store, tasks) -> tuple[dict, list[dict]]:
@@ -473,7 +475,7 @@ def _config_eval(args, out: Path) -> dict:
             from keel.models import load_model
             from keel.rollout import SamplingParams
 
-            model, tok = load_model(args.policy, cfg.model.dtype)
+            model, tok = load_model(args.policy, cfg.model.dtype, what="--policy")
             params = SamplingParams(greedy=True, max_turns=max_turns, max_new_tokens=cfg.eval.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
             means, rows, trajs = evaluate_model(model, tok, env, tasks, params, cfg.eval.batch_size)
         summary = {**means, "n": len(rows), "policy": args.policy, "config": str(args.config), "env": kind, "split": args.split}

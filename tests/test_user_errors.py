@@ -185,6 +185,19 @@ def test_bad_eval_input_is_one_line_and_leaves_no_directory(tmp_path, inputs, ca
     assert not out.exists()
 
 
+@pytest.mark.parametrize("case", ["policy not found", "policy not a model"])
+def test_config_eval_names_policy_and_leaves_no_directory(tmp_path, capsys, case):
+    from keel.cli import main
+
+    (tmp_path / "not_a_model").mkdir()
+    policy = {"policy not found": "/nonexistent/model", "policy not a model": str(tmp_path / "not_a_model")}[case]
+    out = tmp_path / "ev"
+    assert main(["eval", "--config", "configs/smoke.yaml", "--policy", policy, "--out", str(out)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"keel: error: --policy: {policy if case == 'policy not a model' else repr(policy)}"), last
+    assert "model.name" not in last and not out.exists()
+
+
 def test_data_check_of_an_empty_kb_fails(inputs):
     r = keel("data", "check", "--data", inputs / "q.jsonl", "--kb", inputs / "empty_kb.tsv")
     assert_one_line_error(r, "empty_kb.tsv holds no triples")
