@@ -404,6 +404,10 @@ def _check_policy(args) -> None:
         check_model_name(args.policy, "--policy")
 
 
+def _warn(message: str) -> None:
+    print(f"[keel] warning: {message}", file=sys.stderr, flush=True)
+
+
 def _kg_eval(args, env, store, tasks) -> tuple[dict, list[dict]]:
     from keel.evaluate import evaluate_model, evaluate_text_policy
     from keel.kg.oracle import null_policy, oracle_policy
@@ -412,8 +416,7 @@ def _kg_eval(args, env, store, tasks) -> tuple[dict, list[dict]]:
         from keel.endpoint import EndpointError
 
         policy = {"oracle": oracle_policy, "null": null_policy}.get(args.policy) or _endpoint(args, lambda task: env.tools(task))
-        means, rows, trajs = evaluate_text_policy(env, tasks, policy, args.max_turns, recover=(EndpointError,),
-                                                  warn=lambda m: print(f"[keel] warning: {m}", file=sys.stderr, flush=True))
+        means, rows, trajs = evaluate_text_policy(env, tasks, policy, args.max_turns, recover=(EndpointError,), warn=_warn)
     else:
         from keel.models import load_model
         from keel.rollout import SamplingParams
@@ -470,7 +473,10 @@ def _config_eval(args, out: Path) -> dict:
                 if args.policy == "oracle" and missing:
                     raise UserError(f"eval --policy oracle replays gold_calls, but task {missing[0]!r} (and {len(missing) - 1} more) has none")
                 policy = gold_replay_policy if args.policy == "oracle" else null_policy
-            means, rows, trajs = evaluate_text_policy(env, tasks, policy, max_turns)
+            from keel.endpoint import EndpointError
+
+            # an endpoint's failed request is that question's error once one has been answered, as in the KG and fc evals
+            means, rows, trajs = evaluate_text_policy(env, tasks, policy, max_turns, recover=(EndpointError,), warn=_warn)
         else:
             from keel.models import load_model
             from keel.rollout import SamplingParams
@@ -478,7 +484,8 @@ def _config_eval(args, out: Path) -> dict:
             model, tok = load_model(args.policy, cfg.model.dtype, what="--policy")
             params = SamplingParams(greedy=True, max_turns=max_turns, max_new_tokens=cfg.eval.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
             means, rows, trajs = evaluate_model(model, tok, env, tasks, params, cfg.eval.batch_size)
-        summary = {**means, "n": len(rows), "policy": args.policy, "config": str(args.config), "env": kind, "split": args.split}
+        summary = {**means, "n": len(rows), "policy": args.policy, "config": str(args.config), "env": kind, "split": args.split,
+                   "request_errors": sum(1 for r in rows if "error" in r)}  # questions whose endpoint request failed (scored 0)
         if kind == "kg":
             from keel.diagnostics.errors import decompose_errors
 

@@ -212,6 +212,27 @@ def test_eval_keeps_what_it_has_when_one_question_fails(tmp_path, capsys):
     assert "question q1:" in capsys.readouterr().err
 
 
+def test_config_eval_keeps_what_it_has_when_one_question_fails(tmp_path, capsys, monkeypatch):
+    """`eval --config PRESET --policy endpoint` as the KG path above: the example's dev questions
+    q0 (answer 8) and q2 (answer 5) answered, q1's request failing twice recorded as its error."""
+    from pathlib import Path
+
+    from keel.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # the preset's paths are relative to the repository
+    out = tmp_path / "ev"
+    with LoopbackServer(["<answer>8</answer>", (500, "down"), (502, "still down"), "<answer>5</answer>"]) as server:
+        rc = main(["eval", "--config", "examples/sql_tools/preset.yaml", "--limit", "3", "--policy", "endpoint",
+                   "--base-url", server.base_url, "--endpoint-model", "m", "--retries", "1", "--backoff", "0.01", "--timeout", "5",
+                   "--out", str(out)])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 3 and summary["request_errors"] == 1 and summary["eval/em"] == pytest.approx(2 / 3)
+    results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["em"] for r in results] == [1.0, 0.0, 1.0] and "HTTP 502" in results[1]["error"] and "error" not in results[0]
+    assert "question " in capsys.readouterr().err
+
+
 def test_eval_help_has_timeout_and_retries(capsys):
     from keel.cli import main
 
