@@ -3,15 +3,18 @@
 Every user error (keel.errors.UserError, or an OSError about the user's files and disk: a bad
 config value, an unreadable input, a run directory in use, a full disk, a failing endpoint) ends
 with one line `keel: error: ...` and exit status 2, and leaves no directory that was not there
-before. A run stopped by SIGINT / SIGTERM exits 130 / 143 after checkpointing (`exit_status`).
+before. A run stopped by SIGINT / SIGTERM exits 130 / 143 after checkpointing (`exit_status`);
+one stopped before its own handler is installed removes what it made, SIGTERM as Ctrl-C (`_sigterm_unwinds`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -121,13 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         _parser().print_help()
         return 0
     try:
-        return COMMANDS[args.command](args)
+        with _sigterm_unwinds():
+            return COMMANDS[args.command](args)
     except Aborted as e:  # a second SIGINT/SIGTERM: stopped mid-step, the last checkpoint stands
         print("keel: aborted", file=sys.stderr)
         return 128 + e.signum
-    except KeyboardInterrupt:
-        print("keel: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated) before a run's own handler
+        signum = getattr(e, "signum", signal.SIGINT)
+        print("keel: interrupted" + ("" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"), file=sys.stderr)
+        return 128 + signum
     except Exception as e:
         msg = user_message(e)  # a UserError, or an OSError about the user's files and disk
         if msg is None:
@@ -136,11 +141,31 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE
 
 
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    """SIGTERM raises keel.errors.Terminated for the whole command, instead of killing the
+    process where it stands: a run directory just claimed (config.yaml written, the tracker
+    starting) is removed as after Ctrl-C, not left half-made. A training run replaces this with
+    its own handler (keel.train.Interrupted: finish the step, checkpoint) while it trains."""
+    from keel.errors import Terminated
+
+    def handler(signum, frame):
+        raise Terminated(signum)
+
+    try:
+        old = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not in the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def exit_status(summary: dict) -> int:
     """0 for a run that ended; 128 + the signal's number for one a signal stopped (130 for
     SIGINT, 143 for SIGTERM), as a shell reports a process the signal killed."""
-    import signal
-
     name = summary.get("interrupted_by") if summary.get("interrupted") else None
     return 128 + int(getattr(signal, name, signal.SIGINT)) if summary.get("interrupted") else 0
 

@@ -69,3 +69,13 @@ class Aborted(KeyboardInterrupt):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while no run's own handler (keel.train.Interrupted) is installed: loading the
+    data or model, claiming the run directory, between a sweep's runs. It unwinds as Ctrl-C's
+    KeyboardInterrupt does there, so what was made is removed; the CLI exits 128 + `signum` (143)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

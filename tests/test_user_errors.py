@@ -506,3 +506,33 @@ def test_sigterm_sets_the_flag_and_a_second_signal_aborts():
             time.sleep(0.05)
         assert info.value.signum == signal.SIGINT
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored
+
+
+_TERMINATED_WHILE = r"""
+import os, signal, sys, time
+import keel.tasks, keel.trackers
+module, name = {"loading data": (keel.tasks, "prepare"), "setting up the run": (keel.trackers, "make_tracker")}[sys.argv[1]]
+real = getattr(module, name)
+
+def terminated(*args, **kwargs):  # `kill` arrives while this runs
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    return real(*args, **kwargs)
+
+setattr(module, name, terminated)
+from keel.cli import main
+sys.exit(main(["train", "configs/smoke.yaml", "--set", "run.progress=false", "--out", sys.argv[2]]))
+"""
+
+
+@pytest.mark.parametrize("moment", ["loading data", "setting up the run"])
+def test_sigterm_before_the_run_s_handler_cleans_up_as_sigint_does(tmp_path, moment):
+    """SIGTERM before keel.train.Interrupted is installed (preflight; or after the directory is
+    claimed and config.yaml written, before training starts): unwound as Ctrl-C is there, so
+    nothing is left behind, and exit 143."""
+    out = tmp_path / "parent" / "run"
+    r = subprocess.run([sys.executable, "-c", _TERMINATED_WHILE, moment, str(out)], cwd=REPO, capture_output=True, text=True,
+                       timeout=300, env=ENV)
+    assert r.returncode == 143, (r.returncode, r.stderr[-2000:])
+    assert r.stderr.strip().splitlines()[-1] == "keel: interrupted (SIGTERM)" and "Traceback" not in r.stderr
+    assert not (tmp_path / "parent").exists()
