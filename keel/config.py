@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -401,11 +402,14 @@ def validate(cfg: Config) -> None:
         (cfg.eval.every >= 1, "eval.every must be ≥ 1"),
         (cfg.grpo.micro_batch_size >= 1, "grpo.micro_batch_size must be ≥ 1"),
         (cfg.model.max_tokens_per_micro_batch >= 0, "model.max_tokens_per_micro_batch must be ≥ 0 (0: no token cap)"),
+        (cfg.model.device in ("cpu", "cuda", "auto") or re.fullmatch(r"cuda:\d+", cfg.model.device) is not None,
+         f"model.device must be cpu, cuda, cuda:N or auto, got {cfg.model.device!r}"),
     ]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
     _check_numbers(cfg)
+    _check_names(cfg)
     from keel.signals.schedule import Schedule
 
     try:
@@ -426,7 +430,34 @@ POSITIVE = [("sft.lr", 0, False), ("grpo.lr", 0, False), ("rollout.temperature",
             ("eval.tool_lift_k", 1, True), ("eval.tool_lift_n", 0, True), ("sft.batch_size", 1, True), ("sft.warmup_steps", 0, True),
             ("grpo.warmup_steps", 0, True), ("rollout.max_new_tokens", 1, True), ("rollout.max_total_tokens", 2, True),
             ("data.n_train", 1, True), ("data.n_dev", 1, True), ("data.n_test", 0, True), ("data.max_calls_per_turn", 1, True),
-            ("model.lora_rank", 0, True), ("run.checkpoint_every", 0, True), ("run.threads", 0, True), ("env.max_items", 1, True)]
+            ("model.lora_rank", 0, True), ("run.checkpoint_every", 0, True), ("run.threads", 0, True), ("env.max_items", 1, True),
+            ("signals.ets.window", 1, True), ("signals.ets.capacity", 1, True)]
+
+
+def _check_names(cfg: Config) -> None:
+    """Names that the objects they configure would refuse only once the run directory exists
+    (hint kinds, trackers), or never (a detector's action): checked here, each error naming its key."""
+    from keel.diagnostics.detectors import ACTIONS
+    from keel.trackers import parse_report_to
+
+    for f in dataclasses.fields(cfg.detectors):
+        action = getattr(getattr(cfg.detectors, f.name), "action", None)
+        if action is not None and action not in ACTIONS:
+            raise ConfigError(f"detectors.{f.name}.action must be {', '.join(ACTIONS[:-1])} or {ACTIONS[-1]}, got {action!r}")
+    try:
+        parse_report_to(cfg.report_to)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    hint = cfg.signals.hint
+    if hint.enabled:  # the names live with the hints (keel.signals.hints), which import torch: only then
+        from keel.rollout import HINT_POSITIONS
+        from keel.signals.hints import HINTS
+
+        unknown = [k for k in hint.kinds if k not in HINTS]
+        if unknown:
+            raise ConfigError(f"signals.hint.kinds: unknown hint kind(s) {unknown} (known: {', '.join(HINTS)})")
+        if hint.position not in HINT_POSITIONS:
+            raise ConfigError(f"signals.hint.position must be {' or '.join(HINT_POSITIONS)}, got {hint.position!r}")
 
 
 def _check_numbers(cfg: Config) -> None:

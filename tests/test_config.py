@@ -106,3 +106,20 @@ def test_group_size_one_is_fine_without_grpo_or_with_added_gold_members():
     assert load_config("smoke", ["rollout.group_size=1", "grpo.steps=0"]).rollout.group_size == 1
     assert load_config("smoke", ["rollout.group_size=1", "signals.ops.enabled=true", "signals.ops.mode=add"]).rollout.group_size == 1
     assert load_config("smoke", ["rollout.group_size=1", "grpo.baseline=batch"]).rollout.group_size == 1  # REINFORCE with a batch baseline
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["signals.hint.enabled=true", "signals.hint.kinds=[first_call,bogus]"], "signals.hint.kinds: unknown hint kind(s) ['bogus']"),
+    (["signals.hint.enabled=true", "signals.hint.position=middle"], "signals.hint.position must be system or user, got 'middle'"),
+    (["signals.ets.window=0"], "signals.ets.window must be ≥ 1"),
+    (["signals.ets.capacity=0"], "signals.ets.capacity must be ≥ 1"),
+    (["detectors.kl_spike.action=explode"], "detectors.kl_spike.action must be warn, stop or rollback, got 'explode'"),
+    (["report_to=[tensorbored]"], "report_to: unknown tracker 'tensorbored'"),
+    (["model.device=gpu"], "model.device must be cpu, cuda, cuda:N or auto, got 'gpu'"),
+])
+def test_settings_once_refused_mid_run_are_checked_at_load(overrides, message):
+    """These were ValueErrors (tracebacks) from the objects they configure, raised after the run
+    directory was made, or (detectors' action) never: now one-line ConfigErrors at load time."""
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)

@@ -108,6 +108,8 @@ TRAIN_ERRORS = [
     (["--set", "eval.n_dev=0"], "eval.n_dev must be ≥ 1"),
     (["--set", "rollout.group_size=1"], "rollout.group_size=1: GRPO's advantage"),
     (["--set", "rollout.max_total_tokens=-5"], "rollout.max_total_tokens must be ≥ 2"),
+    (["--set", "signals.hint.enabled=true", "--set", "signals.hint.kinds=[bogus]"], "signals.hint.kinds: unknown hint kind(s) ['bogus']"),
+    (["--set", "report_to=[tensorbored]"], "report_to: unknown tracker 'tensorbored'"),
     (["--set", "model.name=/tmp"], "model.name: /tmp is not a Hugging Face model directory"),
     (["--set", "model.name=/nonexistent/model"], "model.name: '/nonexistent/model' is neither"),
 ]
