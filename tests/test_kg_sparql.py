@@ -357,6 +357,23 @@ def test_bad_files_and_bad_triples(tmp_path):
     assert not store.has_entity("m.3")  # a bad batch adds nothing
 
 
+@pytest.mark.parametrize("name, data, message", [
+    ("latin1.nt", '<http://rdf.freebase.com/ns/m.1> <http://rdf.freebase.com/ns/type.object.name> "Café" .\n'.encode("latin-1"),
+     "invalid N-Triples data"),
+    ("binary.ttl", bytes(range(256)) * 16, "invalid Turtle data"),
+    ("truncated.nt.gz", gzip.compress(b"<http://rdf.freebase.com/ns/m.1> <http://rdf.freebase.com/ns/a.b> <http://rdf.freebase.com/ns/m.2> .\n" * 100)[:60],
+     "invalid N-Triples data"),
+    ("graph.csv", b"m.1,a.b,m.2\n", "unknown RDF format '.csv'"),
+], ids=["latin-1", "binary", "truncated gzip", "unknown format"])
+def test_a_bad_rdf_file_is_a_user_error_naming_it(tmp_path, name, data, message):
+    from keel.errors import UserError, user_message
+
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(UserError, match=message) as info:
+        OxigraphStore.from_files(tmp_path / name)
+    assert user_message(info.value) == str(info.value) and str(info.value).startswith(f"{tmp_path / name}: ")
+
+
 # ---------------------------------------------------------------------------------------------
 # Hostile arguments
 

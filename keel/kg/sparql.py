@@ -38,6 +38,8 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import pyoxigraph as ox
 
+from keel.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 FREEBASE_NS = "http://rdf.freebase.com/ns/"
@@ -379,7 +381,7 @@ def _rdf_format(path: Path, format: str | None) -> ox.RdfFormat:
     else:
         key = "".join(path.suffixes[-2:-1]) if path.suffix == ".gz" else path.suffix
     if key not in RDF_FORMATS:
-        raise ValueError(f"{path}: unknown RDF format {key!r}; use one of {sorted(RDF_FORMATS)} (optionally .gz)")
+        raise UserError(f"{path}: unknown RDF format {key!r}; use one of {sorted(RDF_FORMATS)} (optionally .gz)")
     return RDF_FORMATS[key]
 
 
@@ -426,7 +428,9 @@ class OxigraphStore(_SparqlVerbs):
         self.store.extend(quads)
 
     def load_file(self, file: str | Path, format: str | None = None) -> None:
-        """Load an N-Triples (.nt) or Turtle (.ttl) file, optionally gzipped (.nt.gz)."""
+        """Load an N-Triples (.nt) or Turtle (.ttl) file, optionally gzipped (.nt.gz). A file
+        that is not one (binary, not UTF-8, a cut gzip) or an unknown suffix is a UserError
+        naming the file."""
         file = Path(file)
         rdf_format = _rdf_format(file, format)
         if not file.is_file():
@@ -437,7 +441,7 @@ class OxigraphStore(_SparqlVerbs):
                 self.store.bulk_load(data, rdf_format)
         except (SyntaxError, ValueError, OSError, EOFError) as exc:
             reason = " ".join(str(exc).split())
-            raise ValueError(f"{file}: invalid {rdf_format.name} data: {reason}") from None
+            raise UserError(f"{file}: invalid {rdf_format.name} data: {reason}") from None
 
     def iter_triples(self) -> Iterator[tuple[str, str, str]]:
         """Every graph triple as (head, relation, tail) ids, then every name as
