@@ -268,7 +268,7 @@ def _claim(out: Path | None, parent: str, name: str):
 
 def preflight(cfg, distributed: bool = False):
     """What can fail before a run directory exists, run there: the model name, the trajectories
-    file, data loading (synthetic data into a staging dir), over-long prompts, gold replay.
+    file (read whole), data loading (synthetic data into a staging dir), over-long prompts, gold replay.
     Returns (env, train, dev) for `train(prepared=...)` and the staging dir (or None)."""
     import tempfile
 
@@ -279,8 +279,15 @@ def preflight(cfg, distributed: bool = False):
 
     check_model_name(cfg.model.name, "model.name")
     resolve_reward(cfg.reward.name)  # a key of REWARDS or the user's module:function, before any directory exists
-    if cfg.signals.self_distill.trajectories and not Path(cfg.signals.self_distill.trajectories).is_file():
-        raise task_builder.DataError(f"signals.self_distill.trajectories: file not found: {cfg.signals.self_distill.trajectories} (make it with `keel distill`)")
+    trajectories = cfg.signals.self_distill.trajectories
+    if trajectories:
+        from keel.signals.restem import read_trajectories, self_distillation_examples
+
+        if not Path(trajectories).is_file():
+            raise task_builder.DataError(f"signals.self_distill.trajectories: file not found: {trajectories} (make it with `keel distill`)")
+        # read here, not first in the SFT phase, where the pre-SFT eval has already logged into the run directory
+        if not self_distillation_examples(read_trajectories(trajectories), packed=cfg.sft.packed):
+            raise task_builder.DataError(f"signals.self_distill.trajectories: {trajectories} has no usable episodes")
     if distributed:  # every rank loads the data itself, after rank 0 wrote it (see Trainer)
         return None, None
     staging = Path(tempfile.mkdtemp(prefix="keel-staging-")) if cfg.data.source == "synthetic" and cfg.env.kind == "kg" else None

@@ -77,6 +77,8 @@ def inputs(tmp_path_factory):
     (d / "latin1_tools.json").write_bytes('[{"name": "run_sql", "description": "Exécute"}]'.encode("latin-1"))
     (d / "binary_tools.json").write_bytes(b"\x00\x01\x02\xff\xfe" * 400)
     (d / "deep_tools.json").write_text("[" * 100_000)
+    (d / "latin1_traj.jsonl").write_bytes('{"task_id": "café"}\n'.encode("latin-1"))
+    (d / "not_traj.jsonl").write_text('{"task_id": "q0"}\n')
     return d
 
 
@@ -102,6 +104,8 @@ TRAIN_ERRORS = [
     (_tools(schema="DIR/latin1_tools.json"), "latin1_tools.json is not UTF-8 text"),
     (_tools(schema="DIR/binary_tools.json"), "binary_tools.json is not UTF-8 text"),
     (_tools(schema="DIR/deep_tools.json"), "deep_tools.json: not JSON"),
+    (["--set", "signals.self_distill.trajectories=DIR/latin1_traj.jsonl"], "latin1_traj.jsonl: not UTF-8 text"),
+    (["--set", "signals.self_distill.trajectories=DIR/not_traj.jsonl"], "not_traj.jsonl:1: not a trajectory"),
     (["--set", "grpo.lr=nan"], "grpo.lr must be a finite number"),
     (["--set", "grpo.lr=-1"], "grpo.lr must be > 0"),
     (["--set", "sft.lr=inf"], "sft.lr must be a finite number"),
