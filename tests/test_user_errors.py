@@ -494,6 +494,35 @@ def test_a_one_megabyte_question_is_read_and_then_dropped_with_a_count(tmp_path,
     assert [t.id for t in kept] == ["small"] and dropped == 1
 
 
+@pytest.mark.parametrize("source", ["keel question file", "tools tasks file"])
+def test_train_drops_a_one_megabyte_question_with_a_counted_warning_and_goes_on(tmp_path, inputs, source):
+    """Through the real CLI: the 1 MB question is read, dropped before the run directory exists
+    with the warning that counts it, and the run trains on the others to the end."""
+    if source == "keel question file":
+        from keel.types import Task
+
+        big = Task(id="big", question="Who directed m.film? " + "x " * 500_000, answers=["Bob"], topic_entities={"m.film": "m.film"},
+                   gold_turns=[[{"name": "get_tail_entities", "arguments": {"entity": "m.film", "relation": "film.film.directed_by"}}]])
+        train = tmp_path / "train.jsonl"
+        train.write_text(json.dumps(big.to_dict()) + "\n" + (inputs / "q.jsonl").read_text())
+        args = ["configs/smoke.yaml", "--set", "data.source=files", "--set", f"data.kb={inputs / 'kb.tsv'}", "--set", f"data.train={train}",
+                "--set", f"data.dev={inputs / 'q.jsonl'}"]
+    else:
+        lines = (REPO / "examples/sql_tools/train.jsonl").read_text().splitlines()
+        big = {**json.loads(lines[0]), "prompt": "How many orders did Nia Berg place? " + "x " * 500_000, "id": "big"}
+        train = tmp_path / "train.jsonl"
+        train.write_text(json.dumps(big) + "\n" + "\n".join(lines[:8]) + "\n")
+        args = ["examples/sql_tools/preset.yaml", "--smoke", *_tools(train=str(train))]
+    assert train.stat().st_size > 1_000_000
+    out = tmp_path / "run"
+    r = keel("train", *args, *FAST, "--set", "sft.steps=1", "--set", "grpo.steps=1",
+             "--set", "eval.before_sft=false", "--out", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[keel] warning: dropped 1 training and 0 dev questions whose prompt is longer than" in r.stdout, r.stdout[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["phase"] == "done" and summary["grpo_steps_done"] == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Signals
 # ---------------------------------------------------------------------------------------------
