@@ -762,6 +762,8 @@ class Trainer:
                 self.save_main("reference", self.model if self.lora is not None else self.ref_model, None, {"step": p.step})
             self.make_optimizer(cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo.weight_decay)
             self.checkpoint()
+            if self.interrupted_anywhere():  # a signal during the post-SFT eval: stop here, not after a whole RL step
+                return self.finish(interrupted=True)
         # 3. GRPO
         if p.phase == "rl":
             if not self.rl_phase():

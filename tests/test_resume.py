@@ -123,3 +123,27 @@ def test_a_signal_finishes_the_step_checkpoints_and_resume_equals_the_uninterrup
     assert_same_lines(deterministic_lines(run), straight)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] is False and summary["interrupted_by"] is None and summary["eval_final"] is not None
+
+
+def test_a_signal_during_the_post_sft_eval_stops_before_the_first_rl_step(tmp_path, monkeypatch):
+    """A signal that lands while the post-SFT evaluation runs stops the run once the RL phase is
+    set up and checkpointed, not after a whole RL step (which can take minutes); resume goes on
+    from RL step 1."""
+    from keel.config import load_config
+    from keel.train import Trainer, train
+
+    real = Trainer.evaluate
+
+    def evaluate(self, label):
+        means = real(self, label)
+        if label == "after_sft":  # as the handler does when SIGTERM arrives during this eval
+            self.interrupted.flag, self.interrupted.signal_name = True, "SIGTERM"
+        return means
+
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    overrides = [a for a in ARGS if a != "--set"]
+    summary = train(load_config(REPO / "configs/smoke.yaml", overrides), tmp_path / "run")
+    phases = [json.loads(line).get("phase") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["interrupted"] is True and summary["interrupted_by"] == "SIGTERM"
+    assert phases == ["eval", "sft", "sft", "sft", "eval"]  # no RL line
+    assert (tmp_path / "run" / "checkpoints" / "reference").is_dir()
