@@ -31,6 +31,14 @@ def _need(path: str, key: str) -> Path:
     return p
 
 
+def _synth_config(d) -> "SynthConfig":
+    """The generator's settings from the config's data section."""
+    from keel.kg.synth import SynthConfig
+
+    return SynthConfig(max_calls_per_turn=d.max_calls_per_turn, max_hops=d.max_hops, nationality_from_birth=d.nationality_from_birth,
+                       **({"kinds": tuple(d.kinds)} if d.kinds else {}))
+
+
 def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tuple[Env, list[Task], list[Task]]:
     """The environment and the train/dev tasks a run uses.
 
@@ -49,7 +57,7 @@ def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tu
 
     d = cfg.data
     if d.source == "synthetic":
-        from keel.kg.synth import SynthConfig, generate
+        from keel.kg.synth import generate
 
         target = (run_dir / "data") if run_dir is not None else None
         if target is None:  # generated in memory's stead: a temp dir, gone once loaded
@@ -58,14 +66,14 @@ def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tu
             with tempfile.TemporaryDirectory(prefix="keel-synth-") as tmp:
                 d2 = dataclasses.replace(cfg, data=dataclasses.replace(d, source="dir", dir=""))
                 generate(Path(tmp), seed=d.seed, train=d.n_train, dev=d.n_dev, test=d.n_test, overwrite=True,
-                         config=SynthConfig(max_calls_per_turn=d.max_calls_per_turn, max_hops=d.max_hops, **({"kinds": tuple(d.kinds)} if d.kinds else {})))
+                         config=_synth_config(d))
                 d2.data.dir = tmp
                 return build(d2, None)
         # a resumed run finds its data already there (the generator is deterministic; meta.json
         # is written last, so a directory without it is a torn write and is regenerated)
         if not (target / "meta.json").exists():
             generate(target, seed=d.seed, train=d.n_train, dev=d.n_dev, test=d.n_test, overwrite=True,
-                     config=SynthConfig(max_calls_per_turn=d.max_calls_per_turn, max_hops=d.max_hops, **({"kinds": tuple(d.kinds)} if d.kinds else {})))
+                     config=_synth_config(d))
         data_dir = target
     elif d.source == "dir":
         data_dir = _need(d.dir, "data.dir")

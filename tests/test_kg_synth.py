@@ -162,3 +162,29 @@ def test_max_hops_keeps_only_short_questions():
     assert all(len(t.gold_turns) <= 2 for t in asked)
     templates = {t.meta["template"] for t in asked}
     assert "spouse" in templates and not templates & {"spouse_birthplace", "birth_country_capital"}  # the 3-hop chains are gone
+
+
+def _nationality_is_birth_country(kg) -> float:
+    s = kg.store
+    people = [p for p in kg.people if s.tail_entities(p, synth.PLACE_OF_BIRTH)]
+    same = sum(s.tail_entities(p, synth.NATIONALITY) == s.tail_entities(s.tail_entities(p, synth.PLACE_OF_BIRTH)[0], synth.CONTAINEDBY)
+               for p in people)
+    return same / len(people)
+
+
+def test_nationality_from_birth_sets_the_shortcut_share_and_nothing_else():
+    default, _ = synth.generate_splits(seed=0, train=50, dev=5, test=5)
+    same, _ = synth.generate_splits(seed=0, train=50, dev=5, test=5, config=synth.SynthConfig(nationality_from_birth=0.8))
+    apart, _ = synth.generate_splits(seed=0, train=50, dev=5, test=5, config=synth.SynthConfig(nationality_from_birth=0.0))
+    assert list(default.store.iter_triples()) == list(same.store.iter_triples())  # the default graph is unchanged
+    # 0.8 of 700 people plus 1/24 of the rest; 0: 1/24 by chance alone (24 countries)
+    assert 0.78 < _nationality_is_birth_country(default) < 0.88
+    assert _nationality_is_birth_country(apart) < 0.08
+    # only nationality triples differ: same people, same places of birth, same questions asked
+    changed = set(default.store.iter_triples()) ^ set(apart.store.iter_triples())
+    assert changed and {r for _, r, _ in changed} == {synth.NATIONALITY}
+    # composition questions name no nationality: the same ones are asked, in the same order
+    composition = synth.SynthConfig(kinds=("composition",))
+    _, ref = synth.generate_splits(seed=0, train=50, dev=5, test=5, config=composition)
+    _, got = synth.generate_splits(seed=0, train=50, dev=5, test=5, config=synth.SynthConfig(kinds=("composition",), nationality_from_birth=0.0))
+    assert [t.question for t in got["train"]] == [t.question for t in ref["train"]]

@@ -82,6 +82,12 @@ class SynthConfig:
     """Question kinds generated (CWQ's four); a subset gives a simpler slice of the same graph and interface."""
     max_hops: int = 0
     """Questions whose gold needs more tool turns (hops) than this are not generated; 0: no limit."""
+    nationality_from_birth: float = 0.8
+    """Share of people whose nationality is their birth city's country (the others draw a country at
+    random, which is the birth country 1 time in `countries`). At 0.8, as in Freebase, "which country
+    contains X's place of birth" is answered 80% of the time by the one-hop shortcut X's nationality,
+    and "the capital of that country" in two hops instead of three; GRPO finds and spreads that
+    shortcut (LOG.md, 2026-12-01, seventh session). 0: the two relations are independent."""
 
 
 # --- the graph ------------------------------------------------------------------------------
@@ -101,6 +107,7 @@ def build_kg(seed: int = 0, config: SynthConfig | None = None) -> SynthKG:
     """The seeded graph. Identical for the same seed and config."""
     c = config or SynthConfig()
     rng = random.Random(seed)
+    side = random.Random(seed * 7919 + 3)  # draws that only non-default settings make (nationality_from_birth)
     used_ids: set[str] = set()
 
     def new_id() -> str:
@@ -157,8 +164,15 @@ def build_kg(seed: int = 0, config: SynthConfig | None = None) -> SynthKG:
         people.append(person)
         birth_city = rng.choice(cities)
         triples.append((person, PLACE_OF_BIRTH, birth_city))
-        # Most people share their birth city's country; one in five does not, so the two relations differ.
-        nation = city_country[birth_city] if rng.random() < 0.8 else rng.choice(countries)
+        # Most people share their birth city's country (c.nationality_from_birth); the rest draw one at
+        # random. The main stream is drawn as at the default 0.8 whatever the share, so a different
+        # share changes nationality triples and nothing else; other draws come from `side`.
+        u = rng.random()
+        drawn = rng.choice(countries) if u >= 0.8 else None
+        if u < c.nationality_from_birth:
+            nation = city_country[birth_city]
+        else:
+            nation = drawn if drawn is not None else side.choice(countries)
         triples.append((person, NATIONALITY, nation))
         triples.append((person, DATE_OF_BIRTH, str(rng.randrange(1900, 2000))))
         triples.append((person, PROFESSION, rng.choice(professions)))
