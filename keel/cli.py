@@ -375,7 +375,7 @@ def _kg_tasks(args):
 
 
 def _eval(args) -> int:
-    from keel.rundir import atomic_write_json, claim_run_dir, write_jsonl
+    from keel.rundir import atomic_write_json, write_jsonl
 
     out = Path(args.out)
     check_out(out)
@@ -383,13 +383,7 @@ def _eval(args) -> int:
         if args.env or args.data or args.kb:
             raise UserError("eval --config takes its env and data from the preset; do not also give --env, --data or --kb")
         _check_policy(args)
-        with claim_run_dir(out) as lock:
-            try:
-                summary = _config_eval(args, out)
-            except BaseException:
-                if not (out / "summary.json").exists():
-                    lock.discard()  # an evaluation that wrote no summary leaves no directory
-                raise
+        summary = _holding(out, lambda: _config_eval(args, out))
         print(json.dumps(summary, indent=2))
         return 0
     if args.overrides:
@@ -398,13 +392,7 @@ def _eval(args) -> int:
     args.max_turns = args.max_turns or 5
     if args.env != "kg":
         _check_policy(args)
-        with claim_run_dir(out) as lock:
-            try:
-                summary = _fc_eval(args)
-            except BaseException:
-                if not (out / "summary.json").exists():
-                    lock.discard()
-                raise
+        summary = _holding(out, lambda: _fc_eval(args))
         print(json.dumps(summary, indent=2))
         return 0
     from keel.kg.env import KGEnv
@@ -412,17 +400,30 @@ def _eval(args) -> int:
     store, tasks = _kg_tasks(args)
     _check_policy(args)
     env = KGEnv(store)
-    with claim_run_dir(out) as lock:
-        try:
-            summary, rows = _kg_eval(args, env, store, tasks)
-            write_jsonl(out / "results.jsonl", rows)
-            atomic_write_json(out / "summary.json", summary)
-        except BaseException:
-            if not (out / "summary.json").exists():
-                lock.discard()  # an evaluation that wrote no summary leaves no directory
-            raise
+
+    def kg_eval() -> dict:
+        summary, rows = _kg_eval(args, env, store, tasks)
+        write_jsonl(out / "results.jsonl", rows)
+        atomic_write_json(out / "summary.json", summary)
+        return summary
+
+    summary = _holding(out, kg_eval)
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _holding(out: Path, evaluate):
+    """evaluate() with `out` claimed and locked; an evaluation that wrote no summary.json leaves
+    no directory behind."""
+    from keel.rundir import claim_run_dir
+
+    with claim_run_dir(out) as lock:
+        try:
+            return evaluate()
+        except BaseException:
+            if not (out / "summary.json").exists():
+                lock.discard()
+            raise
 
 
 def _check_policy(args) -> None:

@@ -58,7 +58,7 @@ class DataConfig:
     max_calls_per_turn: int = doc(6, "synthetic: skip questions whose gold needs more parallel calls in one turn (shorter trajectories on CPU)")
     kinds: list[str] = doc([], "synthetic: question kinds to generate, a subset of composition, conjunction, comparative, superlative (empty: all four)")
     max_hops: int = doc(0, "synthetic: skip questions whose gold needs more tool turns (hops) than this; 0: no limit")
-    nationality_from_birth: float = doc(0.8, "synthetic: share of people whose nationality is their birth city's country (the rest: a random country); at 0.8 nationality is a one-hop shortcut for birth-country questions that GRPO exploits; 0: independent")
+    nationality_from_birth: float = doc(0.8, "synthetic: share of people whose nationality is their birth city's country (the rest: a random country); at 0.8 nationality is a one-hop shortcut for birth-country questions (GRPO was seen taking it); 0: independent")
     dir: str = doc("", "source=dir: a dataset directory with kb.tsv and train/dev/test.jsonl (from `keel data kg-synth`)")
     kb: str = doc("", "source=files: triples file (TSV head\\trelation\\ttail or |-separated, .gz ok)")
     train: str = doc("", "source=files: training questions (Keel JSONL, CWQ, PathQuestion, MetaQA); source=jsonl: your tasks, one JSON object a line")

@@ -86,8 +86,9 @@ class SynthConfig:
     """Share of people whose nationality is their birth city's country (the others draw a country at
     random, which is the birth country 1 time in `countries`). At 0.8, as in Freebase, "which country
     contains X's place of birth" is answered 80% of the time by the one-hop shortcut X's nationality,
-    and "the capital of that country" in two hops instead of three; GRPO finds and spreads that
-    shortcut (LOG.md, 2026-12-01, seventh session). 0: the two relations are independent."""
+    and "the capital of that country" in two hops instead of three; GRPO was seen taking that
+    shortcut (LOG.md, 2026-12-01, seventh session). 0: the two relations are independent (agree 1 in
+    `countries` times by chance)."""
 
 
 # --- the graph ------------------------------------------------------------------------------
