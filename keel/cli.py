@@ -458,10 +458,11 @@ def _kg_eval(args, env, store, tasks) -> tuple[dict, list[dict]]:
         params = SamplingParams(greedy=True, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_total_tokens=4096)
         means, rows, trajs = evaluate_model(model, tok, env, tasks, params, args.batch_size)
     from keel.diagnostics.errors import decompose_errors
+    from keel.endpoint import request_errors
 
     errors = decompose_errors(trajs, tasks, store)  # paper B's error decomposition, by replaying gold paths
     summary = {**means, "n": len(rows), "policy": args.policy, "data": str(args.data),
-               "request_errors": sum(1 for r in rows if "error" in r),  # questions whose endpoint request failed (scored 0)
+               "request_errors": request_errors(rows),
                "errors": {k: errors[k] for k in ("failed", "counts", "shares", "retrieval_dependent", "retrieval_shares")}}
     return summary, rows
 
@@ -517,8 +518,10 @@ def _config_eval(args, out: Path) -> dict:
             model, tok = load_model(args.policy, cfg.model.dtype, what="--policy")
             params = SamplingParams(greedy=True, max_turns=max_turns, max_new_tokens=cfg.eval.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
             means, rows, trajs = evaluate_model(model, tok, env, tasks, params, cfg.eval.batch_size)
+        from keel.endpoint import request_errors
+
         summary = {**means, "n": len(rows), "policy": args.policy, "config": str(args.config), "env": kind, "split": args.split,
-                   "request_errors": sum(1 for r in rows if "error" in r)}  # questions whose endpoint request failed (scored 0)
+                   "request_errors": request_errors(rows)}
         if kind == "kg":
             from keel.diagnostics.errors import decompose_errors
 

@@ -243,3 +243,9 @@ def endpoint_policy(
                     temperature=temperature, max_tokens=max_tokens, retries=retries, backoff=backoff)
 
     return policy
+
+
+def request_errors(rows: list[dict[str, Any]]) -> int:
+    """How many questions of an evaluation lost their endpoint request (recorded as the row's
+    `error` and scored 0) — the `request_errors` of an eval summary."""
+    return sum(1 for r in rows if "error" in r)

@@ -176,7 +176,9 @@ def evaluate_fc(
             )
     summary = summarise(env_name, rows, call_formats, bool(heldout_classes))
     if recover:
-        summary["request_errors"] = sum(1 for r in rows if "error" in r)
+        from keel.endpoint import request_errors
+
+        summary["request_errors"] = request_errors(rows)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
