@@ -5,15 +5,30 @@ port for launched servers."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from keel.metrics import NONDETERMINISTIC_PREFIXES
+
+REPO = Path(__file__).resolve().parent.parent
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def train_cli(tmp_path: Path, name: str, *args: str) -> Path:
+    """`keel train ARGS --out tmp_path/name` through the real CLI from the repository root, one
+    thread, no progress bars; asserts it succeeded and returns the run directory."""
+    out = tmp_path / name
+    r = subprocess.run([sys.executable, "-m", "keel.cli", "train", *args, "--out", str(out), "--set", "run.progress=false"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
 
 
 def deterministic_lines(run: Path) -> list[dict]:

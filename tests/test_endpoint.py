@@ -191,6 +191,18 @@ def test_failed_requests_are_retried_with_back_off_and_client_errors_are_not():
             chat(server.base_url, "m", [{"role": "user", "content": "x"}], retries=1, backoff=0.01)
 
 
+ONE_RETRY = ["--endpoint-model", "m", "--retries", "1", "--backoff", "0.01", "--timeout", "5"]
+
+
+def _assert_q1_failed(out) -> None:
+    """Of three questions, q1's request failed twice (HTTP 500, then 502): recorded as its error,
+    scored 0, counted in the summary; q0 and q2 answered right."""
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n"] == 3 and summary["request_errors"] == 1 and summary["eval/em"] == pytest.approx(2 / 3)
+    results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["em"] for r in results] == [1.0, 0.0, 1.0] and "HTTP 502" in results[1]["error"] and "error" not in results[0]
+
+
 def test_eval_keeps_what_it_has_when_one_question_fails(tmp_path, capsys):
     """q0 answered; q1's request fails on both attempts (recorded as its error, scored 0); q2
     answered; the summary counts the error."""
@@ -202,13 +214,9 @@ def test_eval_keeps_what_it_has_when_one_question_fails(tmp_path, capsys):
     out = tmp_path / "ev"
     with LoopbackServer(["<answer>m.bob</answer>", (500, "down"), (502, "still down"), "<answer>m.bob</answer>"]) as server:
         rc = main(["eval", "--env", "kg", "--data", str(tmp_path / "q.jsonl"), "--kb", str(tmp_path / "kb.tsv"), "--policy", "endpoint",
-                   "--base-url", server.base_url, "--endpoint-model", "m", "--retries", "1", "--backoff", "0.01", "--timeout", "5",
-                   "--out", str(out)])
+                   "--base-url", server.base_url, *ONE_RETRY, "--out", str(out)])
     assert rc == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["n"] == 3 and summary["request_errors"] == 1 and summary["eval/em"] == pytest.approx(2 / 3)
-    results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["em"] for r in results] == [1.0, 0.0, 1.0] and "HTTP 502" in results[1]["error"] and "error" not in results[0]
+    _assert_q1_failed(out)
     assert "question q1:" in capsys.readouterr().err
 
 
@@ -223,13 +231,9 @@ def test_config_eval_keeps_what_it_has_when_one_question_fails(tmp_path, capsys,
     out = tmp_path / "ev"
     with LoopbackServer(["<answer>8</answer>", (500, "down"), (502, "still down"), "<answer>5</answer>"]) as server:
         rc = main(["eval", "--config", "examples/sql_tools/preset.yaml", "--limit", "3", "--policy", "endpoint",
-                   "--base-url", server.base_url, "--endpoint-model", "m", "--retries", "1", "--backoff", "0.01", "--timeout", "5",
-                   "--out", str(out)])
+                   "--base-url", server.base_url, *ONE_RETRY, "--out", str(out)])
     assert rc == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["n"] == 3 and summary["request_errors"] == 1 and summary["eval/em"] == pytest.approx(2 / 3)
-    results = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    assert [r["em"] for r in results] == [1.0, 0.0, 1.0] and "HTTP 502" in results[1]["error"] and "error" not in results[0]
+    _assert_q1_failed(out)
     assert "question " in capsys.readouterr().err
 
 

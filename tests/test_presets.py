@@ -3,32 +3,21 @@ to pure GRPO when their supervision is empty or weighted 0."""
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from keel.config import Config
+from runs import train_cli
 
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _train(tmp_path, name, *args):
-    out = tmp_path / name
-    r = subprocess.run([sys.executable, "-m", "keel.cli", "train", *args, "--out", str(out), "--set", "run.progress=false"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_runs_with_smoke(tmp_path, preset):
-    out = _train(tmp_path, "run", f"configs/{preset}", "--smoke")
+    out = train_cli(tmp_path, "run", f"configs/{preset}", "--smoke")
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert sum(1 for x in lines if x.get("phase") == "rl") >= 1
     cfg = (out / "config.yaml").read_text()
@@ -53,9 +42,9 @@ def _rl_lines(run: Path):
 def test_interleaved_with_empty_schedule_equals_pure_grpo(tmp_path):
     # OPS makes the tiny model's groups non-uniform, so real updates happen in both runs
     base = ["configs/smoke.yaml", "--set", "signals.ops.enabled=true", "--set", "signals.ops.mode=replace", "--set", "signals.ops.members=1"]
-    pure = _train(tmp_path, "pure", *base)
+    pure = train_cli(tmp_path, "pure", *base)
     # the whole interleaved machinery on (gold SFT pool, schedule), its only phase after step 1000
-    inter = _train(tmp_path, "inter", *base, "--set", "signals.sft=true", "--set", "signals.paradigm=interleaved", "--set", "signals.at_steps=[1000]")
+    inter = train_cli(tmp_path, "inter", *base, "--set", "signals.sft=true", "--set", "signals.paradigm=interleaved", "--set", "signals.at_steps=[1000]")
     assert _rl_lines(pure) == _rl_lines(inter)
     a, b = _weights(pure), _weights(inter)
     assert all(torch.equal(a[k], b[k]) for k in a)

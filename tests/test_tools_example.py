@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from runs import train_cli
+
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "sql_tools"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture
@@ -79,18 +79,10 @@ def test_tools_json_and_the_dispatcher_are_the_python_tools(in_repo):
     assert [s.observation.text for s in steps] == ["Error: OperationalError: no such table: y", "Error: bad arguments for run_sql: 'query' is a required property"]
 
 
-def _train(tmp_path, name, *args):
-    out = tmp_path / name
-    r = subprocess.run([sys.executable, "-m", "keel.cli", "train", *args, "--out", str(out), "--set", "run.progress=false"],
-                       cwd=REPO, capture_output=True, text=True, timeout=600, env=ENV)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
-
-
 @pytest.mark.parametrize("preset", ["preset.yaml", "preset_mcp.yaml"])
 def test_example_presets_run_with_smoke_through_the_cli(tmp_path, preset):
     # OPS puts gold members in every group, so the RL loop's tool path runs even on the random tiny model
-    out = _train(tmp_path, "run", f"examples/sql_tools/{preset}", "--smoke", "--set", "signals.ops.enabled=true", "--set", "signals.ops.members=1")
+    out = train_cli(tmp_path, "run", f"examples/sql_tools/{preset}", "--smoke", "--set", "signals.ops.enabled=true", "--set", "signals.ops.members=1")
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert sum(1 for x in lines if x.get("phase") == "rl") == 2 and all("signal/ops_members" in x for x in lines if x.get("phase") == "rl")
     summary = json.loads((out / "summary.json").read_text())
@@ -107,7 +99,7 @@ def test_training_survives_a_hung_and_a_crashing_mcp_server(tmp_path):
                     + json.dumps({"prompt": "echo", "answer": "x", "gold_calls": [[{"name": "echo", "arguments": {"text": "x"}}]]}) + "\n")
     starts = tmp_path / "starts"
     server = str(REPO / "tests" / "fixtures" / "mcp_faulty_server.py")
-    out = _train(tmp_path, "run", "examples/sql_tools/preset_mcp.yaml", "--smoke", "--set", f"env.mcp_command=[python, {server}, {starts}]",
+    out = train_cli(tmp_path, "run", "examples/sql_tools/preset_mcp.yaml", "--smoke", "--set", f"env.mcp_command=[python, {server}, {starts}]",
                  "--set", f"data.train={data}", "--set", f"data.dev={data}", "--set", "env.call_timeout_s=1.0",
                  "--set", "signals.ops.enabled=true", "--set", "signals.ops.members=1", "--set", "rollout.prompts_per_step=1")
     summary = json.loads((out / "summary.json").read_text())
