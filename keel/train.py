@@ -24,6 +24,7 @@ import math
 import os
 import random
 import resource
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -252,8 +253,6 @@ def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, An
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
@@ -268,8 +267,6 @@ def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, An
         from keel.rundir import disk_full
 
         full = disk_full(exc, tmp)
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         if full is not None:
             raise full from None
@@ -285,8 +282,6 @@ def complete_checkpoint(path: Path) -> Path | None:
     old = path.with_name(path.name + ".old")
     if (old / "trainer_state.json").exists():
         if path.exists():
-            import shutil
-
             shutil.rmtree(path)
         os.replace(old, path)
         return path
@@ -718,8 +713,6 @@ class Trainer:
     def restart(self) -> None:
         """Resume of a run killed before any complete checkpoint: nothing trained is lost, so run
         again from step 0 (same config, same seed) over what the killed process left."""
-        import shutil
-
         if self.ctx.is_main:
             for name in ("checkpoints", "samples", "eval"):
                 shutil.rmtree(self.run_dir / name, ignore_errors=True)
