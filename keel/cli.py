@@ -3,8 +3,9 @@
 Every user error (keel.errors.UserError, or an OSError about the user's files and disk: a bad
 config value, an unreadable input, a run directory in use, a full disk, a failing endpoint) ends
 with one line `keel: error: ...` and exit status 2, and leaves no directory that was not there
-before. A run stopped by SIGINT / SIGTERM exits 130 / 143 after checkpointing (`exit_status`);
-one stopped before its own handler is installed removes what it made, SIGTERM as Ctrl-C (`_sigterm_unwinds`).
+before. A run stopped by SIGINT / SIGTERM exits 130 / 143 after checkpointing
+(`keel.resume.exit_status`); one stopped before its own handler is installed removes what it
+made, SIGTERM as Ctrl-C (`_sigterm_unwinds`).
 """
 
 from __future__ import annotations
@@ -163,13 +164,6 @@ def _sigterm_unwinds():
         signal.signal(signal.SIGTERM, old)
 
 
-def exit_status(summary: dict) -> int:
-    """0 for a run that ended; 128 + the signal's number for one a signal stopped (130 for
-    SIGINT, 143 for SIGTERM), as a shell reports a process the signal killed."""
-    name = summary.get("interrupted_by") if summary.get("interrupted") else None
-    return 128 + int(getattr(signal, name, signal.SIGINT)) if summary.get("interrupted") else 0
-
-
 def _print_summary(summary: dict, run: Path) -> None:
     keys = ("eval_before_sft", "eval_after_sft", "eval_final", "wall_time_s", "interrupted_by")
     print(json.dumps({k: summary[k] for k in keys if summary.get(k) is not None}, indent=2))
@@ -179,6 +173,7 @@ def _print_summary(summary: dict, run: Path) -> None:
 def _train(args) -> int:
     from keel.config import describe, load_config
     from keel.errors import UserError
+    from keel.resume import exit_status, resume_run
 
     if args.help_config:
         print(describe())
@@ -300,47 +295,6 @@ def preflight(cfg, distributed: bool = False):
             shutil.rmtree(staging, ignore_errors=True)
         raise
     return (env, train_tasks, dev), staging
-
-
-def resume_run(run: Path, overrides: list[str] | None = None, announce: bool = True) -> dict | None:
-    """`keel train --resume RUN`: its own config.yaml (plus `overrides`, written back to it), from
-    checkpoints/latest. A finished run is left as it is (None; it says so). `keel sweep`
-    continues its interrupted runs through this same function."""
-    from keel.config import load_config
-    from keel.rundir import RunDirError
-    from keel.train import train
-
-    run = Path(run)
-    if not run.is_dir():
-        raise RunDirError(f"--resume {run}: no such directory")
-    if not (run / "config.yaml").exists():
-        raise RunDirError(f"--resume {run}: no config.yaml (not a Keel run directory)")
-    cfg = load_config(run / "config.yaml", overrides or [])
-    done = finished(run, cfg)
-    if done:
-        if announce:
-            print(f"[keel] {run} is finished ({done}); nothing to resume. To train further: keel train --resume {run} --set grpo.steps=N")
-        return None
-    return train(cfg, run, resume=True)
-
-
-def finished(run: Path, cfg) -> str | None:
-    """Why `run` needs no resume (its summary.json says it ended, and `cfg` asks no more GRPO
-    steps than it did), or None. Resuming it anyway would only rewrite summary.json."""
-    try:
-        s = json.loads((run / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(s, dict) or s.get("phase") != "done" or s.get("interrupted") is not False:
-        return None
-    from keel.config import load_config
-
-    done = s.get("grpo_steps_done", 0)
-    if cfg.grpo.steps > max(done, load_config(run / "config.yaml").grpo.steps):
-        return None  # --set grpo.steps=N asks for more
-    if s.get("stopped_by_alert"):
-        return f"stopped by an alert at step {s['stopped_by_alert'].get('step')}"
-    return f"{done} GRPO steps done, grpo.steps={cfg.grpo.steps}"
 
 
 def _kg_tasks(args):

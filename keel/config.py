@@ -7,6 +7,7 @@ one-line error naming the key.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -20,19 +21,16 @@ import yaml
 from keel.errors import UserError
 
 
-if typing.TYPE_CHECKING:  # real imports are lazy: these modules import keel.config
-    from keel.diagnostics.detectors import DetectorConfig
-    from keel.signals.schedule import SignalsConfig
-
 
 class ConfigError(UserError):
     """A bad config: unknown key, wrong type, unreadable preset. The message is one line."""
 
 
 def doc(default, help: str):
-    """A field with its one-line documentation."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    """A field with its one-line documentation, the one way every field of the tree is declared
+    (`describe` prints it). A mutable default (a list, a dict, a section) is copied per instance."""
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
     return field(default=default, metadata={"help": help})
 
 
@@ -156,31 +154,237 @@ class RunConfig:
     progress: bool = doc(True, "show progress bars with ETA")
 
 
-def _detector_config():
-    from keel.diagnostics.detectors import DetectorConfig
+# --- the `detectors:` section (keel.diagnostics.detectors runs them) ---------------------------------
+# The thresholds are Keel's, not the papers': the papers found these signatures by looking at
+# plots after the fact. An alert fires once per episode of its condition.
 
-    return DetectorConfig()
+ACTIONS = ("warn", "stop", "rollback")
+ACTION_HELP = "what the trainer does on this alert: warn | stop | rollback"
+ROLLBACK_HELP = "config overrides applied when rolling back (values like \"x5\" multiply)"
 
 
-def _signals_config():
-    from keel.signals.schedule import SignalsConfig
+@dataclass
+class KLSpikeConfig:
+    """Control-token KL spike (paper A): a robust z-score of `kl/control_share` and of each
+    `kl/tag/<tag>` against the median and MAD of their trailing window."""
 
-    return SignalsConfig()
+    enabled: bool = doc(True, "run this detector")
+    # A MAD from 20 values misjudged σ badly enough to raise a false alarm on Gaussian noise.
+    window: int = doc(50, "trailing values (train steps) that form the baseline; the current value is not in it")
+    min_history: int = doc(10, "values needed in the window before the detector can fire")
+    z: float = doc(6.0, "robust z-score ((x − median) / (1.4826·MAD)) at or above which a value is a spike")
+    # With the defaults a spike must exceed the median by at least 6 × 10% = 60% of it (paper A's spikes are several-fold).
+    min_relative_scale: float = doc(0.1, "floor on the noise scale as a fraction of |median|, so a flat series (MAD ≈ 0) does not turn a small wiggle into a huge z")
+    min_control_share: float = doc(0.2, "kl/control_share spikes count only when the share itself is at least this")
+    action: str = doc("warn", ACTION_HELP)
+    on_rollback: dict[str, str] = doc({"grpo.kl_coef": "x5"}, ROLLBACK_HELP)
+
+
+@dataclass
+class CliffConfig:
+    """Post-peak cliff (paper B, mode 4): dev `eval/em` falls by `drop` below its running peak,
+    and the fall happened within `within_evals` eval windows."""
+
+    enabled: bool = doc(True, "run this detector")
+    drop: float = doc(0.10, "absolute EM below the running peak that counts as collapsed (paper B: 0.395 → 0)")
+    within_evals: int = doc(1, "the fall of at least `drop` must have happened since this many evals ago (1: one window)")
+    min_peak: float = doc(0.05, "a run whose EM never reached this has no peak to fall from")
+    action: str = doc("warn", ACTION_HELP)
+    on_rollback: dict[str, str] = doc({"grpo.kl_coef": "x5"}, ROLLBACK_HELP + "; a rollback goes to the peak checkpoint")
+
+
+@dataclass
+class CallVolumeConfig:
+    """Call-volume collapse (paper B, mode 4 signature): tools/question falls to at most
+    `max_ratio` of its recent maximum. Watches `eval/tools_per_question` (raw, eval steps) and
+    `tools/per_question` (train steps, smoothed by a trailing median)."""
+
+    enabled: bool = doc(True, "run this detector")
+    max_ratio: float = doc(0.5, "fire when the current value ≤ max_ratio × the maximum over the lookback (paper B: 3.0 → 1.0 is 0.33)")
+    lookback_steps: int = doc(100, "steps over which the reference maximum is taken (two paper-B eval windows)")
+    min_reference: float = doc(1.5, "the reference maximum must be at least this many calls per question")
+    smooth: int = doc(5, "trailing median length for the train-step series (rollout batches are noisy)")
+    action: str = doc("warn", ACTION_HELP)
+    on_rollback: dict[str, str] = doc({}, ROLLBACK_HELP)
+
+
+@dataclass
+class EntropyConfig:
+    """Entropy collapse: the trailing median of `tokens/entropy` falls below `fraction` of its
+    early level (median of the first `early_steps` values)."""
+
+    enabled: bool = doc(True, "run this detector")
+    early_steps: int = doc(10, "values whose median is the early level")
+    fraction: float = doc(0.3, "fire below this fraction of the early level")
+    smooth: int = doc(5, "trailing median length of the current level")
+    action: str = doc("warn", ACTION_HELP)
+    on_rollback: dict[str, str] = doc({}, ROLLBACK_HELP)
+
+
+@dataclass
+class FormatDriftConfig:
+    """Format-drift onset (paper B, mode 3): the trailing mean of `collapse/format_drift`
+    (share of turns with a tool tag inside <think>) exceeds `threshold`."""
+
+    enabled: bool = doc(True, "run this detector")
+    threshold: float = doc(0.1, "share of turns with drift above which the detector fires")
+    smooth: int = doc(3, "trailing mean length")
+    action: str = doc("warn", ACTION_HELP)
+    on_rollback: dict[str, str] = doc({}, ROLLBACK_HELP)
+
+
+@dataclass
+class ProxyGamingConfig:
+    """Proxy gaming: over the last `window` steps `reward/mean` rose by at least
+    `min_reward_rise` (least-squares slope × span) while dev `eval/em` rose by at most
+    `max_em_gain` (last eval − first eval in the window, at least 2 evals)."""
+
+    enabled: bool = doc(True, "run this detector")
+    window: int = doc(100, "steps looked back")
+    min_reward_rise: float = doc(0.1, "fitted rise of the training reward across the window that counts as up")
+    max_em_gain: float = doc(0.0, "dev EM gain across the window at or below which EM counts as flat or down")
+    action: str = doc("warn", ACTION_HELP)
+    on_rollback: dict[str, str] = doc({}, ROLLBACK_HELP)
+
+
+@dataclass
+class DetectorConfig:
+    kl_spike: KLSpikeConfig = doc(KLSpikeConfig(), "control-token KL spike (paper A)")
+    cliff: CliffConfig = doc(CliffConfig(), "post-peak dev EM cliff (paper B, mode 4)")
+    call_volume: CallVolumeConfig = doc(CallVolumeConfig(), "tools/question collapse (paper B, mode 4 signature)")
+    entropy: EntropyConfig = doc(EntropyConfig(), "entropy collapse (paper B, modes 1 and 3)")
+    format_drift: FormatDriftConfig = doc(FormatDriftConfig(), "tool tags inside <think> (paper B, mode 3)")
+    proxy_gaming: ProxyGamingConfig = doc(ProxyGamingConfig(), "reward up, dev EM flat or down")
+
+    def __post_init__(self) -> None:
+        check_actions(self)
+
+
+def check_actions(detectors: DetectorConfig) -> None:
+    """Every detector's action is one of ACTIONS; a ConfigError names the key."""
+    for f in dataclasses.fields(detectors):
+        action = getattr(detectors, f.name).action
+        if action not in ACTIONS:
+            raise ConfigError(f"detectors.{f.name}.action must be {', '.join(ACTIONS[:-1])} or {ACTIONS[-1]}, got {action!r}")
+
+
+# --- the `signals:` section (keel.signals.schedule turns it into a Schedule) ----------------------------
+
+SUPERVISION_KINDS = ("sft", "ets", "reflection")  # supervision data kinds, in the order a phase mixes them
+PARADIGMS = ("synchronous", "interleaved")
+FAIL_AT_HELP = "a group whose every reward is <= this counts as failed"
+
+
+@dataclass
+class OPSConfig:
+    enabled: bool = doc(False, "off-policy supervision: gold trajectories become members of every GRPO group")
+    mode: str = doc("replace", "replace: `members` of the group_size slots hold the gold trajectory (authors' replace_num) | add: they join the group_size sampled ones (Eq. 4)")
+    members: int = doc(1, "gold members per group (authors: replace_num=1 of n=8)")
+
+
+@dataclass
+class HintConfig:
+    enabled: bool = doc(False, "hint-based guidance: a hint in the prompt while sampling, removed for the update")
+    kinds: list[str] = doc(["first_call", "relation_path"], "hint texts, keys of keel.signals.hints.HINTS: first_call, relation_path, function_names")
+    position: str = doc("system", "system (end of the system instructions, authors' placement) | user (end of the first user message)")
+    only_failed: bool = doc(False, "hint a prompt only if its whole group scored <= fail_at the last time it was sampled")
+    fail_at: float = doc(0.0, FAIL_AT_HELP)
+    recompute_old_logprobs: bool = doc(True, "old log-probs of hinted rows = the current policy on the hint-free sequence (ratio 1, as verl); false: the sampling ones")
+
+
+@dataclass
+class ETSConfig:
+    enabled: bool = doc(False, "erroneous trajectory supervision: gold SFT on prompts whose whole group failed")
+    window: int = doc(50, "a failed prompt stays eligible for this many RL steps after its latest all-failed group")
+    capacity: int = doc(256, "most prompts kept (the most recently failed)")
+    fail_at: float = doc(0.0, FAIL_AT_HELP)
+
+
+@dataclass
+class ReflectionConfig:
+    enabled: bool = doc(False, "process reflection supervision: train the policy to write an analyzer's reflection on its failed trajectories")
+    analyzer: str = doc("rule", "rule (offline, replays the gold path) | llm (an OpenAI-compatible endpoint)")
+    base_url: str = doc("", "llm analyzer: endpoint base URL, e.g. http://127.0.0.1:8000/v1")
+    model: str = doc("", "llm analyzer: model name sent to the endpoint")
+    api_key: str = doc("", "llm analyzer: API key (empty: the OPENAI_API_KEY environment variable, else none)")
+    per_step: int = doc(8, "reflections written per RL step, on failed trajectories")
+    pool: int = doc(512, "most recent reflection examples kept for supervision")
+    max_tokens: int = doc(2048, "longest reflection example (trajectory + request + reflection); longer ones are dropped")
+    fail_at: float = doc(0.0, "a trajectory with reward <= this is reflected on")
+
+
+@dataclass
+class SelfDistillConfig:
+    trajectories: str = doc("", "JSONL of kept episodes (keel.signals.restem.write_trajectories); set: the SFT warm-start trains on them instead of gold")
+
+
+@dataclass
+class SignalsConfig:
+    paradigm: str = doc("interleaved", "how sft/ets/reflection losses enter: synchronous (weighted, inside each RL update) | interleaved (supervision phases between RL steps)")
+    sft: bool = doc(False, "gold SFT of all training tasks as a supervision signal during RL (paper A's synchronous / interleaved SFT)")
+    at_steps: list[int] = doc([], "interleaved: a supervision phase after each of these RL steps (paper A: 50, 100, 150)")
+    every: int = doc(0, "interleaved: also a phase after every N RL steps (0: off)")
+    epochs: int = doc(2, "interleaved: epochs over the phase's examples (paper A: 2)")
+    lr: float = doc(1e-5, "learning rate of supervision phases (paper A: 1e-5); RL keeps grpo.lr")
+    batch_size: int = doc(8, "examples per supervision step (paper A: 128)")
+    sync_examples: int = doc(8, "synchronous: examples of each kind added to every RL update")
+    sft_weight: float = doc(1.0, "synchronous: weight of the gold SFT loss")
+    ets_weight: float = doc(1.0, "synchronous: weight of the ETS loss")
+    reflection_weight: float = doc(1.0, "synchronous: weight of the reflection loss (Eq. 10)")
+    ops: OPSConfig = doc(OPSConfig(), "OPS: gold trajectories as GRPO group members (keel.signals.ops)")
+    hint: HintConfig = doc(HintConfig(), "hints in the prompt while sampling only (keel.signals.hints)")
+    ets: ETSConfig = doc(ETSConfig(), "ETS: gold SFT on recently all-failed prompts (keel.signals.ets)")
+    reflection: ReflectionConfig = doc(ReflectionConfig(), "PRS: reflections on failed trajectories as targets (keel.signals.reflection)")
+    self_distill: SelfDistillConfig = doc(SelfDistillConfig(), "paper B's ReST-EM self-distillation (keel.signals.restem)")
+
+
+def supervision_kinds(s: SignalsConfig) -> tuple[str, ...]:
+    """The supervision data kinds that are on, in SUPERVISION_KINDS order."""
+    on = {"sft": s.sft, "ets": s.ets.enabled, "reflection": s.reflection.enabled}
+    return tuple(k for k in SUPERVISION_KINDS if on[k])
+
+
+def check_signals(s: SignalsConfig) -> None:
+    """Settings of the `signals:` section that contradict each other; a ConfigError names the key."""
+    kinds = supervision_kinds(s)
+    at_steps = list(s.at_steps)
+    checks = [
+        (s.paradigm in PARADIGMS, f"signals.paradigm must be one of {PARADIGMS}, got {s.paradigm!r}"),
+        (all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in at_steps), f"signals.at_steps must be RL steps >= 1, got {at_steps}"),
+        (at_steps == sorted(set(at_steps)), f"signals.at_steps must be increasing without repeats, got {at_steps}"),
+        (s.every >= 0, f"signals.every must be >= 0, got {s.every}"),
+        (s.epochs >= 1, f"signals.epochs must be >= 1, got {s.epochs}"),
+        (s.lr > 0 and math.isfinite(s.lr), f"signals.lr must be a positive number, got {s.lr}"),
+        (s.batch_size >= 1, f"signals.batch_size must be >= 1, got {s.batch_size}"),
+        (s.sync_examples >= 1, f"signals.sync_examples must be >= 1, got {s.sync_examples}"),
+        (min(s.sft_weight, s.ets_weight, s.reflection_weight) >= 0, "signals.*_weight must be >= 0"),
+        (s.ops.mode in ("replace", "add"), f"signals.ops.mode must be replace or add, got {s.ops.mode!r}"),
+        (s.ops.members >= 1 or not s.ops.enabled, f"signals.ops.members must be >= 1, got {s.ops.members}"),
+        (s.reflection.analyzer in ("rule", "llm"), f"signals.reflection.analyzer must be rule or llm, got {s.reflection.analyzer!r}"),
+        (s.reflection.analyzer != "llm" or not s.reflection.enabled or (s.reflection.base_url and s.reflection.model),
+         "signals.reflection.analyzer=llm needs signals.reflection.base_url and signals.reflection.model"),
+        (not (s.paradigm == "synchronous" and (at_steps or s.every)), "signals.at_steps / signals.every apply to the interleaved paradigm only"),
+        (not (s.paradigm == "interleaved" and kinds and not (at_steps or s.every)),
+         f"signals: {'/'.join(kinds)} is on with paradigm interleaved but no phase is scheduled; set signals.at_steps or signals.every"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
 
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    detectors: "DetectorConfig" = field(default_factory=_detector_config)  # collapse detectors (keel.diagnostics.detectors)
-    signals: "SignalsConfig" = field(default_factory=_signals_config)  # paper A's supervision signals (keel.signals.schedule)
+    model: ModelConfig = doc(ModelConfig(), "the policy: which weights, their dtype and device, LoRA, training memory")
+    data: DataConfig = doc(DataConfig(), "where tasks come from: a generated KG, question files, a dataset directory or your JSONL")
+    env: EnvConfig = doc(EnvConfig(), "what the policy acts on: the KG's verbs, function calling, your tools or an MCP server")
+    rollout: RolloutConfig = doc(RolloutConfig(), "sampling the episodes of a GRPO step")
+    sft: SFTConfig = doc(SFTConfig(), "the SFT warm-start on gold trajectories before RL")
+    grpo: GRPOConfig = doc(GRPOConfig(), "the RL update: GRPO and its variants")
+    reward: RewardConfig = doc(RewardConfig(), "the reward of an episode")
+    eval: EvalConfig = doc(EvalConfig(), "greedy evaluation on dev during and after training")
+    run: RunConfig = doc(RunConfig(), "seed, output directory, checkpoints, threads")
+    detectors: DetectorConfig = doc(DetectorConfig(), "collapse detectors over the metric history (keel.diagnostics.detectors): warn, stop or roll back")
+    signals: SignalsConfig = doc(SignalsConfig(), "paper A's supervision signals and paper B's self-distillation (keel.signals)")
     report_to: list[str] = doc([], "external trackers besides metrics.jsonl: tensorboard, wandb, trackio, mlflow")
 
 
@@ -212,13 +416,6 @@ def to_dict(cfg) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def _leaf_types(cls) -> dict[str, Any]:
-    from keel.diagnostics.detectors import DetectorConfig
-    from keel.signals.schedule import SignalsConfig
-
-    return typing.get_type_hints(cls, localns={"DetectorConfig": DetectorConfig, "SignalsConfig": SignalsConfig})
-
-
 def set_key(cfg: Config, key: str, value: Any) -> None:
     """Set `a.b` = value with a type check. Raises ConfigError naming the key."""
     parts = key.split(".")
@@ -231,7 +428,7 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
     if not dataclasses.is_dataclass(obj) or leaf not in {f.name for f in dataclasses.fields(obj)}:
         known = ", ".join(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else ""
         raise ConfigError(f"unknown config key {key!r}" + (f" (known in this section: {known})" if known else ""))
-    expected = _leaf_types(type(obj))[leaf]
+    expected = typing.get_type_hints(type(obj))[leaf]
     if dataclasses.is_dataclass(expected):
         raise ConfigError(f"config key {key!r} is a section; set its fields ({key}.<field>)")
     setattr(obj, leaf, _coerce(key, value, expected))
@@ -412,12 +609,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(msg)
     _check_numbers(cfg)
     _check_names(cfg)
-    from keel.signals.schedule import Schedule
-
-    try:
-        Schedule.from_config(cfg.signals, cfg.grpo.lr)
-    except ValueError as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+    check_signals(cfg.signals)
     if cfg.signals.ops.enabled and cfg.signals.ops.mode == "replace" and cfg.signals.ops.members >= cfg.rollout.group_size:
         raise ConfigError("signals.ops.members must be < rollout.group_size in replace mode (the group keeps sampled members)")
 
@@ -439,13 +631,9 @@ POSITIVE = [("sft.lr", 0, False), ("grpo.lr", 0, False), ("rollout.temperature",
 def _check_names(cfg: Config) -> None:
     """Names that the objects they configure would refuse only once the run directory exists
     (hint kinds, trackers), or never (a detector's action): checked here, each error naming its key."""
-    from keel.diagnostics.detectors import ACTIONS
     from keel.trackers import parse_report_to
 
-    for f in dataclasses.fields(cfg.detectors):
-        action = getattr(getattr(cfg.detectors, f.name), "action", None)
-        if action is not None and action not in ACTIONS:
-            raise ConfigError(f"detectors.{f.name}.action must be {', '.join(ACTIONS[:-1])} or {ACTIONS[-1]}, got {action!r}")
+    check_actions(cfg.detectors)
     try:
         parse_report_to(cfg.report_to)
     except ValueError as e:
@@ -498,10 +686,10 @@ def describe() -> str:
             value = getattr(obj, f.name)
             key = f"{prefix}{f.name}"
             if dataclasses.is_dataclass(value):
-                lines.append(f"{key}:")
+                lines.append(f"{key}:  — {f.metadata['help']}")
                 walk(value, key + ".")
             else:
-                lines.append(f"  {key} = {value!r}  — {f.metadata.get('help', '')}".rstrip(" —"))
+                lines.append(f"  {key} = {value!r}  — {f.metadata['help']}")
 
     walk(Config(), "")
     return "\n".join(lines)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from keel.errors import UserError
+from keel.resume import exit_status, resume_run
 from keel.rundir import RunDirError, atomic_write_json, atomic_write_text, claim_run_dir, is_empty_dir, lock_run_dir
 
 SWEEP_FILE = "sweep.json"
@@ -157,7 +158,6 @@ def _train_one(r: PlannedRun, run: Path) -> dict[str, Any]:
     """One run, fresh or continued, through the functions `keel train` uses."""
     import torch
 
-    from keel.cli import resume_run
     from keel.train import train
 
     threads = torch.get_num_threads()
@@ -209,8 +209,6 @@ def _run_all(out: Path, runs: list[PlannedRun], again: str) -> int:
             print(f"[keel] sweep stopped at {run}; continue with: {again}", flush=True)
             raise
         if summary.get("interrupted"):
-            from keel.cli import exit_status
-
             print(f"[keel] sweep stopped at {run} (interrupted); continue with: {again}", flush=True)
             return exit_status(summary)  # 130 after SIGINT, 143 after SIGTERM
         em = (summary.get("eval_final") or {}).get("eval/em")

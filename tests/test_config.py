@@ -1,10 +1,11 @@
 """Config tree: presets, typed overrides, one-line errors naming the key."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from keel.config import ConfigError, describe, load_config
+from keel.config import Config, ConfigError, describe, load_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -59,6 +60,25 @@ def test_preset_by_name_and_describe():
     assert load_config("smoke").model.name == "tiny"
     text = describe()
     assert "grpo.kl_coef" in text and "coefficient of the KL" in text
+
+
+def every_field(obj, prefix=""):
+    """(dotted key, field) for every field of the tree, sections and their fields alike."""
+    for f in dataclasses.fields(obj):
+        yield prefix + f.name, f
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from every_field(value, f"{prefix}{f.name}.")
+
+
+def test_every_config_key_has_help_and_describe_prints_it():
+    keys = dict(every_field(Config()))
+    assert len(keys) > 150 and "detectors.kl_spike.min_relative_scale" in keys and "signals.hint.kinds" in keys
+    undocumented = [k for k, f in keys.items() if not f.metadata.get("help", "").strip()]
+    assert undocumented == []
+    text = describe()
+    for key, f in keys.items():
+        assert key in text and f.metadata["help"] in text, key
 
 
 def test_batch_baseline_refuses_ops():

@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from keel.diagnostics.detectors import CliffConfig, DetectorConfig, Detectors
+from keel.config import CliffConfig, DetectorConfig
+from keel.diagnostics.detectors import Detectors
 
 
 def run(history, detectors=None):

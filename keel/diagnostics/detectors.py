@@ -4,9 +4,10 @@ Each detector watches the keys of `keel.metrics` for one signature from the pape
 KL spike on control tokens; paper B's post-peak cliff (EM 0.395 → 0 inside one 50-step eval
 window), call-volume collapse (tools/question 3.0 → 1.0 in the same window), entropy collapse
 (modes 1 and 3), format-drift onset (mode 3) and proxy gaming (reward up while EM is not).
-The papers found these by looking at plots after the fact; the thresholds below are Keel's
-and are configurable. An alert fires once per *episode* of a condition: a detector re-arms only
-after its condition has been false at one update.
+The papers found these by looking at plots after the fact; the thresholds are Keel's and are
+configurable (the `detectors:` section, DetectorConfig in keel.config). An alert fires once per
+*episode* of a condition: a detector re-arms only after its condition has been false at one
+update.
 
 `Detectors.update(step, line)` takes one `metrics.jsonl` line; eval keys appear only on eval
 steps, so eval-driven detectors advance only then. `state_dict()` is JSON-serialisable and
@@ -20,6 +21,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from keel.config import DetectorConfig
 from keel.metrics import (
     COLLAPSE_FORMAT_DRIFT,
     EVAL_EM,
@@ -31,155 +33,7 @@ from keel.metrics import (
     TOOLS_PER_QUESTION,
 )
 
-ACTIONS = ("warn", "stop", "rollback")
 MAD_TO_SIGMA = 1.4826  # MAD × 1.4826 estimates σ for Gaussian noise
-
-
-@dataclass
-class KLSpikeConfig:
-    """Control-token KL spike (paper A): a robust z-score of `kl/control_share` and of each
-    `kl/tag/<tag>` against the median and MAD of their trailing window."""
-
-    enabled: bool = True
-    """Run this detector."""
-    window: int = 50
-    """Trailing values (train steps) that form the baseline; the current value is not in it.
-    A MAD from 20 values misjudged σ badly enough to raise a false alarm on Gaussian noise."""
-    min_history: int = 10
-    """Values needed in the window before the detector can fire."""
-    z: float = 6.0
-    """Robust z-score ((x − median) / (1.4826·MAD)) at or above which a value is a spike."""
-    min_relative_scale: float = 0.1
-    """Floor on the noise scale as a fraction of |median|, so a flat series (MAD ≈ 0) does not
-    turn a small wiggle into a huge z: with the defaults a spike must exceed the median by at
-    least 6 × 10% = 60% of it (paper A's spikes are several-fold)."""
-    min_control_share: float = 0.2
-    """`kl/control_share` spikes count only when the share itself is at least this."""
-    action: str = "warn"
-    """What the trainer does on this alert: "warn", "stop" or "rollback"."""
-    on_rollback: dict[str, str] = field(default_factory=lambda: {"grpo.kl_coef": "x5"})
-    """Config overrides applied when rolling back (values like "x5" multiply)."""
-
-
-@dataclass
-class CliffConfig:
-    """Post-peak cliff (paper B, mode 4): dev `eval/em` falls by `drop` below its running peak,
-    and the fall happened within `within_evals` eval windows."""
-
-    enabled: bool = True
-    """Run this detector."""
-    drop: float = 0.10
-    """Absolute EM below the running peak that counts as collapsed (paper: 0.395 → 0)."""
-    within_evals: int = 1
-    """The fall of at least `drop` must have happened since this many evals ago (1 = one window)."""
-    min_peak: float = 0.05
-    """A run whose EM never reached this has no peak to fall from."""
-    action: str = "warn"
-    """What the trainer does on this alert: "warn", "stop" or "rollback"."""
-    on_rollback: dict[str, str] = field(default_factory=lambda: {"grpo.kl_coef": "x5"})
-    """Config overrides applied when rolling back to the peak checkpoint."""
-
-
-@dataclass
-class CallVolumeConfig:
-    """Call-volume collapse (paper B, mode 4 signature): tools/question falls to at most
-    `max_ratio` of its recent maximum. Watches `eval/tools_per_question` (raw, eval steps) and
-    `tools/per_question` (train steps, smoothed by a trailing median)."""
-
-    enabled: bool = True
-    """Run this detector."""
-    max_ratio: float = 0.5
-    """Fire when the current value ≤ max_ratio × the maximum over the lookback (3.0 → 1.0 is 0.33)."""
-    lookback_steps: int = 100
-    """Steps over which the reference maximum is taken (two paper-B eval windows)."""
-    min_reference: float = 1.5
-    """The reference maximum must be at least this many calls per question."""
-    smooth: int = 5
-    """Trailing median length for the train-step series (rollout batches are noisy)."""
-    action: str = "warn"
-    """What the trainer does on this alert: "warn", "stop" or "rollback"."""
-    on_rollback: dict[str, str] = field(default_factory=dict)
-    """Config overrides applied when rolling back."""
-
-
-@dataclass
-class EntropyConfig:
-    """Entropy collapse: the trailing median of `tokens/entropy` falls below `fraction` of its
-    early level (median of the first `early_steps` values)."""
-
-    enabled: bool = True
-    """Run this detector."""
-    early_steps: int = 10
-    """Values whose median is the early level."""
-    fraction: float = 0.3
-    """Fire below this fraction of the early level."""
-    smooth: int = 5
-    """Trailing median length of the current level."""
-    action: str = "warn"
-    """What the trainer does on this alert: "warn", "stop" or "rollback"."""
-    on_rollback: dict[str, str] = field(default_factory=dict)
-    """Config overrides applied when rolling back."""
-
-
-@dataclass
-class FormatDriftConfig:
-    """Format-drift onset (paper B, mode 3): the trailing mean of `collapse/format_drift`
-    (share of turns with a tool tag inside <think>) exceeds `threshold`."""
-
-    enabled: bool = True
-    """Run this detector."""
-    threshold: float = 0.1
-    """Share of turns with drift above which the detector fires."""
-    smooth: int = 3
-    """Trailing mean length."""
-    action: str = "warn"
-    """What the trainer does on this alert: "warn", "stop" or "rollback"."""
-    on_rollback: dict[str, str] = field(default_factory=dict)
-    """Config overrides applied when rolling back."""
-
-
-@dataclass
-class ProxyGamingConfig:
-    """Proxy gaming: over the last `window` steps `reward/mean` rose by at least
-    `min_reward_rise` (least-squares slope × span) while dev `eval/em` rose by at most
-    `max_em_gain` (last eval − first eval in the window, at least 2 evals)."""
-
-    enabled: bool = True
-    """Run this detector."""
-    window: int = 100
-    """Steps looked back."""
-    min_reward_rise: float = 0.1
-    """Fitted rise of the training reward across the window that counts as "up"."""
-    max_em_gain: float = 0.0
-    """Dev EM gain across the window at or below which EM counts as flat or down."""
-    action: str = "warn"
-    """What the trainer does on this alert: "warn", "stop" or "rollback"."""
-    on_rollback: dict[str, str] = field(default_factory=dict)
-    """Config overrides applied when rolling back."""
-
-
-@dataclass
-class DetectorConfig:
-    """All detectors; each sub-config documents its fields."""
-
-    kl_spike: KLSpikeConfig = field(default_factory=KLSpikeConfig)
-    """Control-token KL spike (paper A)."""
-    cliff: CliffConfig = field(default_factory=CliffConfig)
-    """Post-peak EM cliff (paper B, mode 4)."""
-    call_volume: CallVolumeConfig = field(default_factory=CallVolumeConfig)
-    """Tools/question collapse (paper B, mode 4 signature)."""
-    entropy: EntropyConfig = field(default_factory=EntropyConfig)
-    """Entropy collapse (paper B, modes 1 and 3)."""
-    format_drift: FormatDriftConfig = field(default_factory=FormatDriftConfig)
-    """Tool tags inside <think> (paper B, mode 3)."""
-    proxy_gaming: ProxyGamingConfig = field(default_factory=ProxyGamingConfig)
-    """Reward up, dev EM flat or down."""
-
-    def __post_init__(self) -> None:
-        for name in ("kl_spike", "cliff", "call_volume", "entropy", "format_drift", "proxy_gaming"):
-            action = getattr(self, name).action
-            if action not in ACTIONS:
-                raise ValueError(f"detectors.{name}.action must be one of {ACTIONS}, got {action!r}")
 
 
 @dataclass

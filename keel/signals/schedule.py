@@ -8,9 +8,9 @@ interleaving 1e-5 beat 1e-6). `Schedule` holds that choice as data and answers t
 `phase_after(step)` (run a supervision phase now? with which data, epochs, lr) and
 `sync_weight(kind)` (weight of a supervision loss inside the RL update).
 
-`SignalsConfig` is the `signals:` section of the run config (documented per field, like every
-section of keel.config). `supervision_backward` and `run_phase` are the two ways the loop applies
-a supervision loss; `run_phase` gives the same update as train.py's `sft_step` (tested).
+The `signals:` section of the run config (SignalsConfig) is declared and checked in keel.config
+with every other section; `Schedule.from_config` turns it into a schedule. `supervision_backward`
+and `run_phase` are the two ways the loop applies a supervision loss; `run_phase` gives the same update as train.py's `sft_step` (tested).
 Where Keel departs: a supervision phase uses its own AdamW, created fresh for the phase, so
 Adam moments of SFT and RL never mix (paper A does not say); supervision data kinds are "sft"
 (gold trajectories of all training tasks), "ets" (gold of recently failed tasks) and
@@ -22,82 +22,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
-KINDS = ("sft", "ets", "reflection")
-PARADIGMS = ("synchronous", "interleaved")
-
-
-from keel.config import doc as _doc  # the one field-with-documentation helper
-
-
-# --- the `signals:` config section ------------------------------------------------------------------
-
-
-@dataclass
-class OPSConfig:
-    enabled: bool = _doc(False, "off-policy supervision: gold trajectories become members of every GRPO group")
-    mode: str = _doc("replace", "replace: `members` of the group_size slots hold the gold trajectory (authors' replace_num) | add: they join the group_size sampled ones (Eq. 4)")
-    members: int = _doc(1, "gold members per group (authors: replace_num=1 of n=8)")
-
-
-@dataclass
-class HintConfig:
-    enabled: bool = _doc(False, "hint-based guidance: a hint in the prompt while sampling, removed for the update")
-    kinds: list[str] = _doc(["first_call", "relation_path"], "hint texts, keys of keel.signals.hints.HINTS: first_call, relation_path, function_names")
-    position: str = _doc("system", "system (end of the system instructions, authors' placement) | user (end of the first user message)")
-    only_failed: bool = _doc(False, "hint a prompt only if its whole group scored <= fail_at the last time it was sampled")
-    fail_at: float = _doc(0.0, "a group whose every reward is <= this counts as failed")
-    recompute_old_logprobs: bool = _doc(True, "old log-probs of hinted rows = the current policy on the hint-free sequence (ratio 1, as verl); false: the sampling ones")
-
-
-@dataclass
-class ETSConfig:
-    enabled: bool = _doc(False, "erroneous trajectory supervision: gold SFT on prompts whose whole group failed")
-    window: int = _doc(50, "a failed prompt stays eligible for this many RL steps after its latest all-failed group")
-    capacity: int = _doc(256, "most prompts kept (the most recently failed)")
-    fail_at: float = _doc(0.0, "a group whose every reward is <= this counts as failed")
-
-
-@dataclass
-class ReflectionConfig:
-    enabled: bool = _doc(False, "process reflection supervision: train the policy to write an analyzer's reflection on its failed trajectories")
-    analyzer: str = _doc("rule", "rule (offline, replays the gold path) | llm (an OpenAI-compatible endpoint)")
-    base_url: str = _doc("", "llm analyzer: endpoint base URL, e.g. http://127.0.0.1:8000/v1")
-    model: str = _doc("", "llm analyzer: model name sent to the endpoint")
-    api_key: str = _doc("", "llm analyzer: API key (empty: the OPENAI_API_KEY environment variable, else none)")
-    per_step: int = _doc(8, "reflections written per RL step, on failed trajectories")
-    pool: int = _doc(512, "most recent reflection examples kept for supervision")
-    max_tokens: int = _doc(2048, "longest reflection example (trajectory + request + reflection); longer ones are dropped")
-    fail_at: float = _doc(0.0, "a trajectory with reward <= this is reflected on")
-
-
-@dataclass
-class SelfDistillConfig:
-    trajectories: str = _doc("", "JSONL of kept episodes (keel.signals.restem.write_trajectories); set: the SFT warm-start trains on them instead of gold")
-
-
-@dataclass
-class SignalsConfig:
-    """Paper A's supervision signals and paper B's self-distillation."""
-
-    paradigm: str = _doc("interleaved", "how sft/ets/reflection losses enter: synchronous (weighted, inside each RL update) | interleaved (supervision phases between RL steps)")
-    sft: bool = _doc(False, "gold SFT of all training tasks as a supervision signal during RL (paper A's synchronous / interleaved SFT)")
-    at_steps: list[int] = _doc([], "interleaved: a supervision phase after each of these RL steps (paper A: 50, 100, 150)")
-    every: int = _doc(0, "interleaved: also a phase after every N RL steps (0: off)")
-    epochs: int = _doc(2, "interleaved: epochs over the phase's examples (paper A: 2)")
-    lr: float = _doc(1e-5, "learning rate of supervision phases (paper A: 1e-5); RL keeps grpo.lr")
-    batch_size: int = _doc(8, "examples per supervision step (paper A: 128)")
-    sync_examples: int = _doc(8, "synchronous: examples of each kind added to every RL update")
-    sft_weight: float = _doc(1.0, "synchronous: weight of the gold SFT loss")
-    ets_weight: float = _doc(1.0, "synchronous: weight of the ETS loss")
-    reflection_weight: float = _doc(1.0, "synchronous: weight of the reflection loss (Eq. 10)")
-    ops: OPSConfig = field(default_factory=OPSConfig)
-    hint: HintConfig = field(default_factory=HintConfig)
-    ets: ETSConfig = field(default_factory=ETSConfig)
-    reflection: ReflectionConfig = field(default_factory=ReflectionConfig)
-    self_distill: SelfDistillConfig = field(default_factory=SelfDistillConfig)
+from keel.config import SUPERVISION_KINDS, SignalsConfig, check_signals, supervision_kinds
 
 
 def signals_from_dict(d: dict[str, Any], where: str = "signals") -> SignalsConfig:
@@ -143,7 +71,7 @@ class SupervisionPhase:
 @dataclass(frozen=True)
 class Schedule:
     paradigm: str
-    kinds: tuple[str, ...]  # supervision data kinds that are on, in KINDS order
+    kinds: tuple[str, ...]  # supervision data kinds that are on, in SUPERVISION_KINDS order
     at_steps: tuple[int, ...] = ()
     every: int = 0
     epochs: int = 2
@@ -158,30 +86,8 @@ class Schedule:
         """The schedule of a `signals:` section (dataclass or mapping); `rl_lr` is grpo.lr.
         Inconsistent settings are one-line errors naming the key."""
         s = signals_from_dict(signals) if isinstance(signals, dict) else signals
-        kinds = tuple(k for k, on in (("sft", s.sft), ("ets", s.ets.enabled), ("reflection", s.reflection.enabled)) if on)
-        at_steps = tuple(s.at_steps)
-        checks = [
-            (s.paradigm in PARADIGMS, f"signals.paradigm must be one of {PARADIGMS}, got {s.paradigm!r}"),
-            (all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in at_steps), f"signals.at_steps must be RL steps >= 1, got {list(at_steps)}"),
-            (list(at_steps) == sorted(set(at_steps)), f"signals.at_steps must be increasing without repeats, got {list(at_steps)}"),
-            (s.every >= 0, f"signals.every must be >= 0, got {s.every}"),
-            (s.epochs >= 1, f"signals.epochs must be >= 1, got {s.epochs}"),
-            (s.lr > 0 and math.isfinite(s.lr), f"signals.lr must be a positive number, got {s.lr}"),
-            (s.batch_size >= 1, f"signals.batch_size must be >= 1, got {s.batch_size}"),
-            (s.sync_examples >= 1, f"signals.sync_examples must be >= 1, got {s.sync_examples}"),
-            (min(s.sft_weight, s.ets_weight, s.reflection_weight) >= 0, "signals.*_weight must be >= 0"),
-            (s.ops.mode in ("replace", "add"), f"signals.ops.mode must be replace or add, got {s.ops.mode!r}"),
-            (s.ops.members >= 1 or not s.ops.enabled, f"signals.ops.members must be >= 1, got {s.ops.members}"),
-            (s.reflection.analyzer in ("rule", "llm"), f"signals.reflection.analyzer must be rule or llm, got {s.reflection.analyzer!r}"),
-            (s.reflection.analyzer != "llm" or not s.reflection.enabled or (s.reflection.base_url and s.reflection.model),
-             "signals.reflection.analyzer=llm needs signals.reflection.base_url and signals.reflection.model"),
-            (not (s.paradigm == "synchronous" and (at_steps or s.every)), "signals.at_steps / signals.every apply to the interleaved paradigm only"),
-            (not (s.paradigm == "interleaved" and kinds and not (at_steps or s.every)),
-             f"signals: {'/'.join(kinds)} is on with paradigm interleaved but no phase is scheduled; set signals.at_steps or signals.every"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        check_signals(s)
+        kinds, at_steps = supervision_kinds(s), tuple(s.at_steps)
         weights = (("sft", float(s.sft_weight)), ("ets", float(s.ets_weight)), ("reflection", float(s.reflection_weight)))
         return cls(s.paradigm, kinds, at_steps, s.every, s.epochs, float(s.lr), float(rl_lr), s.batch_size, s.sync_examples, weights)
 
@@ -200,8 +106,8 @@ class Schedule:
     def sync_weight(self, kind: str) -> float:
         """Weight of `kind`'s loss inside the RL update: its configured weight when the paradigm
         is synchronous and the kind is on, else 0."""
-        if kind not in KINDS:
-            raise ValueError(f"unknown supervision kind {kind!r} (known: {', '.join(KINDS)})")
+        if kind not in SUPERVISION_KINDS:
+            raise ValueError(f"unknown supervision kind {kind!r} (known: {', '.join(SUPERVISION_KINDS)})")
         if self.paradigm != "synchronous" or kind not in self.kinds:
             return 0.0
         return dict(self.weights)[kind]
