@@ -14,7 +14,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
 
@@ -416,8 +416,9 @@ def to_dict(cfg) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def set_key(cfg: Config, key: str, value: Any) -> None:
-    """Set `a.b` = value with a type check. Raises ConfigError naming the key."""
+def _section(cfg, key: str) -> tuple[Any, str]:
+    """The section that holds dotted `key`, and the key's last part: the one walk from the root
+    to a key. Raises ConfigError naming the key (and the section's fields, for a wrong last part)."""
     parts = key.split(".")
     obj = cfg
     for i, p in enumerate(parts[:-1]):
@@ -428,10 +429,37 @@ def set_key(cfg: Config, key: str, value: Any) -> None:
     if not dataclasses.is_dataclass(obj) or leaf not in {f.name for f in dataclasses.fields(obj)}:
         known = ", ".join(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else ""
         raise ConfigError(f"unknown config key {key!r}" + (f" (known in this section: {known})" if known else ""))
+    return obj, leaf
+
+
+def get_key(cfg: Config, key: str) -> Any:
+    """The value at dotted `key` (`grpo.kl_coef`; a section for `grpo`). Raises ConfigError naming the key."""
+    obj, leaf = _section(cfg, key)
+    return getattr(obj, leaf)
+
+
+def set_key(cfg: Config, key: str, value: Any) -> None:
+    """Set `a.b` = value with a type check. Raises ConfigError naming the key."""
+    obj, leaf = _section(cfg, key)
     expected = typing.get_type_hints(type(obj))[leaf]
     if dataclasses.is_dataclass(expected):
         raise ConfigError(f"config key {key!r} is a section; set its fields ({key}.<field>)")
     setattr(obj, leaf, _coerce(key, value, expected))
+
+
+def fields_of(obj, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field, Any]]:
+    """(dotted key, field, value) of every field of the tree below `obj`, depth first: a section
+    comes before its own fields."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        yield prefix + f.name, f, value
+        if dataclasses.is_dataclass(value):
+            yield from fields_of(value, f"{prefix}{f.name}.")
+
+
+def leaves(cfg) -> dict[str, Any]:
+    """Every key that is not a section, with its value: {"grpo.kl_coef": 0.0001, ...}."""
+    return {key: value for key, _, value in fields_of(cfg) if not dataclasses.is_dataclass(value)}
 
 
 def _coerce(key: str, value: Any, expected) -> Any:
@@ -483,23 +511,10 @@ def apply_dict(cfg, d: dict[str, Any], where: str = "", prefix: str = "") -> Non
 def _apply(cfg, d: dict[str, Any], prefix: str) -> None:
     for k, v in d.items():
         key = f"{prefix}{k}"
-        obj, leaf = _parent(cfg, key)
-        if isinstance(v, dict) and dataclasses.is_dataclass(getattr(obj, leaf)):
+        if isinstance(v, dict) and dataclasses.is_dataclass(get_key(cfg, key)):
             _apply(cfg, v, key + ".")
             continue
         set_key(cfg, key, v)
-
-
-def _parent(cfg, key: str):
-    parts = key.split(".")
-    obj = cfg
-    for i, p in enumerate(parts[:-1]):
-        if not dataclasses.is_dataclass(obj) or p not in {f.name for f in dataclasses.fields(obj)}:
-            raise ConfigError(f"unknown config key {'.'.join(parts[: i + 1])!r} (in {key!r})")
-        obj = getattr(obj, p)
-    if not dataclasses.is_dataclass(obj) or parts[-1] not in {f.name for f in dataclasses.fields(obj)}:
-        raise ConfigError(f"unknown config key {key!r}")
-    return obj, parts[-1]
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -654,23 +669,13 @@ def _check_numbers(cfg: Config) -> None:
     """Every float in the tree is finite (NaN or inf as a learning rate would be found only
     after the SFT phase, as a skipped update on every step), and the keys in POSITIVE are in
     range. Checked before anything is written."""
-    def walk(obj, prefix: str) -> None:
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if dataclasses.is_dataclass(value):
-                walk(value, f"{prefix}{f.name}.")
-            elif isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"{prefix}{f.name} must be a finite number, got {value!r}")
-
-    walk(cfg, "")
+    for key, value in leaves(cfg).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
     for key, low, inclusive in POSITIVE:
-        obj = cfg
-        for part in key.split("."):
-            obj = getattr(obj, part, None)
-        if obj is None:
-            continue
-        if obj < low or (obj == low and not inclusive):
-            raise ConfigError(f"{key} must be {'≥' if inclusive else '>'} {low}, got {obj!r}")
+        value = get_key(cfg, key)
+        if value < low or (value == low and not inclusive):
+            raise ConfigError(f"{key} must be {'≥' if inclusive else '>'} {low}, got {value!r}")
 
 
 def dump_yaml(cfg: Config) -> str:
@@ -679,17 +684,5 @@ def dump_yaml(cfg: Config) -> str:
 
 def describe() -> str:
     """Every config key with its default and documentation (for --help-config)."""
-    lines: list[str] = []
-
-    def walk(obj, prefix: str) -> None:
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            key = f"{prefix}{f.name}"
-            if dataclasses.is_dataclass(value):
-                lines.append(f"{key}:  — {f.metadata['help']}")
-                walk(value, key + ".")
-            else:
-                lines.append(f"  {key} = {value!r}  — {f.metadata['help']}")
-
-    walk(Config(), "")
-    return "\n".join(lines)
+    return "\n".join(f"{key}:  — {f.metadata['help']}" if dataclasses.is_dataclass(value) else f"  {key} = {value!r}  — {f.metadata['help']}"
+                     for key, f, value in fields_of(Config()))

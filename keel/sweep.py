@@ -77,20 +77,11 @@ def sweep_command(presets: list[str], seeds: list[int], out: Path, overrides: li
     return " ".join(shlex.quote(w) for w in words)
 
 
-def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
-    return out
-
-
 def config_difference(there, here) -> list[str]:
     """The keys whose values differ between a run's config and this sweep's, as one phrase each."""
-    from keel.config import to_dict
+    from keel.config import leaves
 
-    a, b = _flat(to_dict(there)), _flat(to_dict(here))
+    a, b = leaves(there), leaves(here)
     return [f"{k} is {a.get(k)!r} there, {b.get(k)!r} in this sweep" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 

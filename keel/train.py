@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from keel import metrics as M
-from keel.config import Config, dump_yaml
+from keel.config import Config, dump_yaml, get_key
 from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
                               local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
 from keel.errors import UserError
@@ -1034,7 +1034,7 @@ class Trainer:
                     self.sync_sampler()
                     line[M.ALERT_ROLLBACK] = 1.0
                     self.make_optimizer(self.cfg.grpo.lr, 0, self.cfg.grpo.weight_decay)
-                    record["config_now"] = {k: _get_key(self.cfg, k) for k in alert.on_rollback}
+                    record["config_now"] = {k: get_key(self.cfg, k) for k in alert.on_rollback}
                     self.p.config_changes.update(record["config_now"])
             elif alert.action == "stop":
                 stop = True
@@ -1103,13 +1103,6 @@ def _rng_from_json(state) -> tuple:
     return (version, tuple(internal), gauss)
 
 
-def _get_key(cfg: Config, key: str):
-    obj = cfg
-    for p in key.split("."):
-        obj = getattr(obj, p)
-    return obj
-
-
 def _rollback(model, run: Path, cfg: Config, overrides: dict[str, str], lora: LoRA | None = None) -> int | None:
     """Load the `peak` checkpoint's weights and apply the alert's config changes ("x5" multiplies).
 
@@ -1127,7 +1120,7 @@ def _rollback(model, run: Path, cfg: Config, overrides: dict[str, str], lora: Lo
     else:
         model.load_state_dict(load_file(str(peak / "model.safetensors")), strict=False)  # tied lm_head is not stored separately
     for key, value in overrides.items():
-        current = _get_key(cfg, key)
+        current = get_key(cfg, key)
         if isinstance(value, str) and value.startswith("x") and isinstance(current, (int, float)):
             set_key(cfg, key, float(current) * float(value[1:]))
         else:

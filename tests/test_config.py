@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from keel.config import Config, ConfigError, describe, load_config
+from keel.config import Config, ConfigError, describe, get_key, leaves, load_config, set_key
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -79,6 +79,18 @@ def test_every_config_key_has_help_and_describe_prints_it():
     text = describe()
     for key, f in keys.items():
         assert key in text and f.metadata["help"] in text, key
+
+
+def test_one_walker_gets_and_sets_dotted_keys():
+    cfg = Config()
+    set_key(cfg, "detectors.cliff.drop", 1)  # an int where a float is declared: stored as 1.0
+    assert get_key(cfg, "detectors.cliff.drop") == 1.0 and isinstance(cfg.detectors.cliff.drop, float)
+    assert get_key(cfg, "signals.hint") is cfg.signals.hint
+    with pytest.raises(ConfigError, match=r"unknown config key 'signals.hnit' \(in 'signals.hnit.kinds'\)"):
+        get_key(cfg, "signals.hnit.kinds")
+    flat = leaves(cfg)  # a dict-typed field is one leaf, a section is none
+    assert flat["detectors.kl_spike.on_rollback"] == {"grpo.kl_coef": "x5"} and "signals.hint" not in flat
+    assert all(get_key(cfg, key) == value for key, value in flat.items())
 
 
 def test_batch_baseline_refuses_ops():

@@ -59,8 +59,8 @@ def test_dataclass_and_mapping_agree():
         ({"epochs": 0}, "signals.epochs must be >= 1"),
         ({"sft_weight": -1.0}, r"signals.\*_weight must be >= 0"),
         ({"hint": {"place": "user"}}, r"unknown config key 'signals.hint.place'"),
-        ({"epochs": "2"}, r"'signals.epochs' expects int, got '2'"),
-        ({"sft": 1}, r"'signals.sft' expects bool"),
+        ({"epochs": "2"}, r"'signals.epochs' expects an integer, got '2'"),  # keel.config.set_key's words
+        ({"sft": 1}, r"'signals.sft' expects true/false"),
     ],
 )
 def test_bad_settings_are_one_line_errors(d, message):

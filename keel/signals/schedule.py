@@ -19,38 +19,20 @@ Adam moments of SFT and RL never mix (paper A does not say); supervision data ki
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from keel.config import SUPERVISION_KINDS, SignalsConfig, check_signals, supervision_kinds
+from keel.config import SUPERVISION_KINDS, Config, SignalsConfig, apply_dict, check_signals, supervision_kinds
 
 
-def signals_from_dict(d: dict[str, Any], where: str = "signals") -> SignalsConfig:
-    """A SignalsConfig from a nested mapping (as in YAML); unknown keys are one-line errors."""
-
-    def fill(obj, data: dict[str, Any], prefix: str):
-        if not isinstance(data, dict):
-            raise ValueError(f"{prefix}: expected a mapping, got {type(data).__name__}")
-        names = {f.name: f for f in dataclasses.fields(obj)}
-        for k, v in data.items():
-            if k not in names:
-                raise ValueError(f"unknown config key '{prefix}.{k}' (known: {', '.join(names)})")
-            current = getattr(obj, k)
-            if dataclasses.is_dataclass(current):
-                fill(current, v, f"{prefix}.{k}")
-                continue
-            expected = type(current)
-            if expected is float and isinstance(v, int) and not isinstance(v, bool):
-                v = float(v)
-            if not isinstance(v, expected) or (expected is not bool and isinstance(v, bool)):
-                raise ValueError(f"config key '{prefix}.{k}' expects {expected.__name__}, got {v!r}")
-            setattr(obj, k, v)
-        return obj
-
-    return fill(SignalsConfig(), d, where)
+def signals_from_dict(d: dict[str, Any]) -> SignalsConfig:
+    """A SignalsConfig from a nested mapping (as in YAML), set and type-checked as `signals:` in
+    a preset is; an unknown key or a wrong type is a one-line ConfigError naming the key."""
+    cfg = Config()
+    apply_dict(cfg, {"signals": d})
+    return cfg.signals
 
 
 # --- the schedule -------------------------------------------------------------------------------------
