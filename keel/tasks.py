@@ -15,13 +15,6 @@ class DataError(UserError):
     """Missing or malformed data; the message names the file."""
 
 
-def kg_env_config(cfg: Config):
-    from keel.kg.env import KGEnvConfig
-
-    fields = {f.name for f in dataclasses.fields(KGEnvConfig)}
-    return KGEnvConfig(**{k: v for k, v in dataclasses.asdict(cfg.env).items() if k in fields})
-
-
 def _need(path: str, key: str) -> Path:
     if not path:
         raise DataError(f"{key} is empty; set it with --set {key}=PATH")
@@ -105,7 +98,7 @@ def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tu
         raise DataError("no training questions were loaded")
     if not dev:
         raise DataError("no dev questions were loaded")
-    env = KGEnv(store, kg_env_config(cfg))
+    env = KGEnv(store, dataclasses.replace(cfg.env))  # env: is a KGEnvConfig; a copy, as before: a rollback's overrides do not reach a built env
     if cfg.env.rename_schema or cfg.env.readable_ids:  # gold turns must use the names the model sees
         train = [env.translate_gold(t) for t in train]
         dev = [env.translate_gold(t) for t in dev]

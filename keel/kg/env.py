@@ -4,7 +4,8 @@ Paper B gives the model `get_tail_relations(e)`, `get_head_relations(e)`,
 `get_tail_entities(e, r)`, `get_head_entities(e, r)` over Freebase with opaque ids and silent
 `[]` failures, and names four channels that starve the RL signal: L_sig (silent failure),
 L_lang (opaque ids), L_comp (ids carried across turns), L_prior (an unfamiliar schema). Here
-each channel is one field of `KGEnvConfig`, so which one gates learning can be tested.
+each channel is one field of `KGEnvConfig` (keel.config; the `env:` section has the same
+fields), so which one gates learning can be tested.
 
 Departures: calls use Hermes `<tool_call>` JSON rather than paper B's `<search>` tags; result
 lists are capped at `max_items` (paper B's endpoint returned everything); by default the system
@@ -23,42 +24,15 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
+from keel.config import KGEnvConfig
 from keel.types import Observation, Task, ToolCall
 
 RELATION_VERBS = ("get_tail_relations", "get_head_relations")
 ENTITY_VERBS = ("get_tail_entities", "get_head_entities")
 VERBS = RELATION_VERBS + ENTITY_VERBS
 _MAX_ECHO = 60  # characters of a bad argument quoted back in an informative error line
-
-
-@dataclass
-class KGEnvConfig:
-    """How the KG interface is presented. Defaults are paper B's degraded interface, except
-    `list_relations` (on, for CPU-scale learning)."""
-
-    max_items: int = 30
-    """Most items shown in one observation; the rest are counted in the text ("(12 more not shown)")."""
-    list_relations: bool = True
-    """List the graph's relation names in the system prompt (paper B: False, relations are discovered with the relation verbs)."""
-    informative_errors: bool = False
-    """L_sig: a failed or malformed call answers `ERROR: <what was wrong>` instead of a silent `[]`."""
-    plan: bool = False
-    """The system prompt asks for the calls to make (verb and relation) in `<think>…</think>` before
-    the first call, and gold trajectories write them there (`with_plan`): later turns can copy the
-    next call, and when to stop, from the model's own plan instead of reaching back to the question."""
-    readable_ids: bool = False
-    """L_lang: entities are shown by name instead of "Name (m.id)", and names are accepted as arguments."""
-    accept_names: bool = False
-    """L_comp: entity arguments may be names (resolved to ids), so names can be carried across turns instead of ids."""
-    rename_schema: bool = False
-    """L_prior: relations are renamed to opaque names (r.k7x2.p91) in prompt, observations and accepted arguments."""
-    rename_salt: str = "keel"
-    """Salt of the deterministic relation renaming; another salt gives another unfamiliar schema."""
-    oracle_relations: bool = False
-    """Paper B's oracle ablation: each observation (and the user message) ends with a hint naming the gold relation of the next hop."""
 
 
 _TOOLS: list[dict[str, Any]] = [

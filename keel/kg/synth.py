@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from keel.config import QUESTION_KINDS
 from keel.errors import UserError
 from keel.kg.oracle import run_plan
 from keel.kg.store import NAME_RELATION, MemoryStore
@@ -44,7 +45,6 @@ RELATIONS = sorted(
 )
 
 TAIL, HEAD = "get_tail_entities", "get_head_entities"
-KINDS = ("composition", "conjunction", "comparative", "superlative")  # CWQ's question kinds
 _ID_CHARS = "0123456789bcdfghjklmnpqrstvwxyz_"  # Freebase mids use digits, consonants and "_"
 _FIRST = ("Ada Bram Cora Dario Elin Felix Greta Hugo Ines Jonas Kira Lukas Mara Nils Olga Piet Rhea Sven "
           "Tilda Umar Vera Wim Yara Zeno Alma Basil Clio Dmitri Edda Fabian Gwen Hal Ilse Jasper Katya Leon "
@@ -78,7 +78,7 @@ class SynthConfig:
     """people.marriage CVT nodes, each linking two people."""
     max_calls_per_turn: int = 6
     """Questions needing more parallel calls in one turn are not generated (short trajectories)."""
-    kinds: tuple[str, ...] = KINDS
+    kinds: tuple[str, ...] = QUESTION_KINDS
     """Question kinds generated (CWQ's four); a subset gives a simpler slice of the same graph and interface."""
     max_hops: int = 0
     """Questions whose gold needs more tool turns (hops) than this are not generated; 0: no limit."""
@@ -356,14 +356,14 @@ def _make_task(kg: SynthKG, kind: str, template: str, question: str, plan: dict[
     )
 
 
-def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: tuple[str, ...] = KINDS, max_hops: int = 0) -> list[Task]:
+def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: tuple[str, ...] = QUESTION_KINDS, max_hops: int = 0) -> list[Task]:
     """Up to `total` distinct questions, kinds in turn (composition, conjunction, comparative,
     superlative, or the subset `kinds`) and templates in turn within a kind, so every kind is
     about equally common. The candidate pools are drawn for every kind whatever `kinds` is, so a
     subset's questions are those the full set would have drawn for its kinds."""
-    unknown = sorted(set(kinds) - set(KINDS))
+    unknown = sorted(set(kinds) - set(QUESTION_KINDS))
     if unknown or not kinds:
-        raise UserError(f"synth: question kinds must be a non-empty subset of {', '.join(KINDS)}; got {', '.join(kinds) or 'none'}")
+        raise UserError(f"synth: question kinds must be a non-empty subset of {', '.join(QUESTION_KINDS)}; got {', '.join(kinds) or 'none'}")
     rng = random.Random(seed * 7919 + 1)  # a stream apart from the graph's
     pools = _candidates(kg, rng)
     by_template: dict[str, dict[str, list]] = {}
@@ -375,7 +375,7 @@ def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: t
     turn_in_kind = {kind: 0 for kind in queues}
     tasks: list[Task] = []
     seen: set[str] = set()
-    active = [k for k in KINDS if k in queues and k in kinds]
+    active = [k for k in QUESTION_KINDS if k in queues and k in kinds]
     while len(tasks) < total and any(any(queues[k]) for k in active):
         for kind in active:
             if len(tasks) >= total:
