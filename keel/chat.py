@@ -11,6 +11,7 @@ each tool response is encoded on its own and appended. The layout is Qwen2.5's:
 
 The "\n" after an assistant's <|im_end|> belongs to the tool/user block that follows (it is
 template, not policy), so a policy turn always ends exactly at its <|im_end|>.
+A model's own chat template can render the conversation instead: keel.templates.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     """
     calls: list[ToolCall] = []
     for m in _CALL_RE.finditer(text):
-        calls.append(_parse_one(m.group(1)))
+        calls.append(parse_call_json(m.group(1)))
     tail = text[text.rfind("</tool_call>") + len("</tool_call>") :] if "</tool_call>" in text else text
     if "<tool_call>" in tail:
         raw = tail[tail.index("<tool_call>") :]
@@ -143,7 +144,9 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
-def _parse_one(body: str) -> ToolCall:
+def parse_call_json(body: str) -> ToolCall:
+    """One call written as JSON, `{"name": str, "arguments": object}` ("parameters" is read as
+    "arguments", Llama-3.1's key). Never raises: a bad body is a ToolCall with `error` set."""
     raw = body.strip()
     if len(raw) > MAX_CALL_CHARS:
         return ToolCall(name="", arguments={}, raw=raw[:MAX_CALL_CHARS], error="too_long")
