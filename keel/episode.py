@@ -29,11 +29,15 @@ class TurnOutcome:
     next_user: str | None  # a new user message to append (no calls, conversation continues)
 
 
-def process_turn(episode: Episode, text: str, turn: int) -> TurnOutcome:
-    """Parse and execute the calls of one assistant turn. Never raises on model text."""
+def process_turn(episode: Episode, text: str, turn: int, parse: Callable[[str], list] | None = None) -> TurnOutcome:
+    """Parse and execute the calls of one assistant turn. Never raises on model text.
+
+    `parse`: the chat format's call parser (keel.templates), used unless the episode has its own.
+    """
     # An episode may bring its own parser (function calling reads Python-call syntax too) and
-    # count steps per turn (BFCL's step limit); the KG env uses the Hermes JSON parser.
-    calls = getattr(episode, "parse", parse_tool_calls)(text)
+    # count steps per turn (BFCL's step limit); the KG env uses the Hermes JSON parser, or the
+    # chat template family's.
+    calls = (getattr(episode, "parse", None) or parse or parse_tool_calls)(text)
     if calls:
         if hasattr(episode, "begin_step"):
             episode.begin_step()

