@@ -595,7 +595,7 @@ def check_run_logged(run: Path, command: str) -> None:
         raise RunDirError(f"{command}: run directory not found: {run}")
     if not (run / "config.yaml").exists():
         raise RunDirError(f"{command}: {run} is not a Keel run directory (no config.yaml)")
-    if not read_jsonl(run / "metrics.jsonl"):
+    if not read_jsonl(run / "metrics.jsonl")[0]:
         raise RunDirError(f"{command}: {run} has no metrics yet (metrics.jsonl is missing or empty): nothing to judge")
 
 

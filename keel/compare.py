@@ -20,7 +20,8 @@ from typing import Any, Iterable
 
 from keel import metrics
 from keel.errors import UserError
-from keel.report import PALETTE, Line, escape, line_chart, load_run, page, read_jsonl, step_files, write_atomic
+from keel.report import PALETTE, Line, escape, line_chart, load_run, page, step_files
+from keel.rundir import atomic_write_text, read_jsonl
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 EXACT_BELOW = 25  # discordant pairs below this: exact binomial McNemar (chi-square is poor there)
@@ -316,7 +317,8 @@ def compare_runs(
     result: dict[str, Any] = {"runs": runs, "tests": tests, "references": dict(references or {}), "at": at, "html": None}
     result["table"] = format_table(result)
     if out is not None:
-        result["html"] = str(write_atomic(Path(out), render_comparison(result, dirs)))
+        atomic_write_text(Path(out), render_comparison(result, dirs))
+        result["html"] = str(out)
     return result
 
 

@@ -24,43 +24,13 @@ from typing import Any, Iterable
 
 from keel import metrics
 from keel.chat import CONTROL_TAGS, token_tag_labels
+from keel.rundir import atomic_write_text, read_jsonl
 
 # ----------------------------------------------------------------------------------------------
 # Reading a run directory
 # ----------------------------------------------------------------------------------------------
 
 STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
-
-
-def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows of a JSONL file and one line per problem ("metrics.jsonl:7: not JSON").
-
-    A line that is not a JSON object is skipped, not fatal: a crash leaves a torn last line,
-    and a resumed run appends after it, so a torn line can also sit in the middle. Callers
-    that need every line (per-question statistics) check `problems` themselves.
-    """
-    rows: list[dict[str, Any]] = []
-    problems: list[str] = []
-    with open(path, "rb") as f:
-        raw_lines = f.read().split(b"\n")
-    last = len(raw_lines)
-    while last > 0 and not raw_lines[last - 1].strip():
-        last -= 1
-    for number, raw in enumerate(raw_lines[:last], start=1):
-        if not raw.strip():
-            continue
-        where = f"{path.name}:{number}"
-        try:
-            obj = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            kind = "torn last line" if number == last else "not JSON"
-            problems.append(f"{where}: {kind} ({type(exc).__name__}), skipped")
-            continue
-        if not isinstance(obj, dict):
-            problems.append(f"{where}: a JSON {type(obj).__name__}, not an object, skipped")
-            continue
-        rows.append(obj)
-    return rows, problems
 
 
 def _number(value: Any) -> float | None:
@@ -919,22 +889,6 @@ def render_report(run: Run) -> str:
     return page(f"Keel report: {run.name}", "".join(sections))
 
 
-def write_atomic(path: Path, text: str) -> Path:
-    """Write through a temporary file in the same folder and os.replace it into place, so a
-    reader (a browser refreshing during training) never sees half a page."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
-
-
 def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Write `report.html` (or `out`) for a run directory and return its path.
 
@@ -943,4 +897,5 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     """
     run = load_run(run_dir)
     target = Path(out) if out is not None else run.directory / "report.html"
-    return write_atomic(target, render_report(run))
+    atomic_write_text(target, render_report(run))
+    return target

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from keel.errors import UserError
 
@@ -72,7 +72,7 @@ class RunDirLock:
     def discard_if_fresh(self) -> None:
         """`discard()` unless the run logged something (a complete metrics line): a run with a
         step done is resumable and is kept; in any case the lock is released."""
-        if self.fd is not None and not read_jsonl(self.path / "metrics.jsonl"):
+        if self.fd is not None and not read_jsonl(self.path / "metrics.jsonl")[0]:
             self.discard()
         self.release()
 
@@ -259,8 +259,10 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def _name_file(e: BaseException, path: Path) -> None:
     """An OSError from write/fsync carries no file name (ENOSPC says only "No space left on
-    device"): give it the file being written, for the one-line error."""
-    if isinstance(e, OSError) and e.filename is None:
+    device"): give it the file being written, for the one-line error. Only one with an errno:
+    str() of an OSError with a file name shows errno and strerror, so an OSError("message")
+    given a file name would lose its message."""
+    if isinstance(e, OSError) and e.filename is None and e.errno is not None:
         e.filename = str(path)
 
 
@@ -311,42 +313,69 @@ def write_jsonl(path: Path, rows: Iterable[Any]) -> None:
     atomic_write_text(path, "".join(json.dumps(_clean(r), ensure_ascii=False) + "\n" for r in rows))
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """All complete JSON lines; a torn or garbage line (a kill mid-write) is skipped."""
-    out = []
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The JSON objects of a run directory's own JSONL log, and one line per line skipped
+    ("metrics.jsonl:7: not JSON (JSONDecodeError), skipped"); a missing file is ([], []).
+
+    The run's logs are read leniently: a crash leaves a torn last line, and a resumed run
+    appends after it, so a torn line can also sit in the middle. Callers that need every line
+    (per-question statistics) check the problems themselves. Lines end at "\\n" only: a record
+    may hold U+2028 and its kin raw (json.dumps with ensure_ascii=False writes them so), which
+    str.splitlines would cut.
+    """
     path = Path(path)
-    if not path.exists():
-        return out
-    for line in path.read_text(errors="replace").splitlines():
-        line = line.strip()
-        if not line:
+    if not path.is_file():
+        return [], []
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    raw_lines = path.read_bytes().split(b"\n")
+    last = len(raw_lines)
+    while last > 0 and not raw_lines[last - 1].strip():
+        last -= 1
+    for number, raw in enumerate(raw_lines[:last], start=1):
+        if not raw.strip():
+            continue
+        where = f"{path.name}:{number}"
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            kind = "torn last line" if number == last else "not JSON"
+            problems.append(f"{where}: {kind} ({type(exc).__name__}), skipped")
+            continue
+        if not isinstance(obj, dict):
+            problems.append(f"{where}: a JSON {type(obj).__name__}, not an object, skipped")
+            continue
+        rows.append(obj)
+    return rows, problems
+
+
+def parse_jsonl(lines: Iterable[str], path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed JSON) for each non-blank line of an input file; a line that is not
+    JSON is a one-line UserError naming the file and line (inputs must be whole, unlike the run
+    directory's own logs, which `read_jsonl` reads leniently). What a record must hold (an
+    object, an id) the caller checks, in its own words."""
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise UserError(f"{path}:{lineno}: not valid JSON (nested too deeply)") from None
+        yield lineno, record
 
 
-def iter_jsonl_strict(path: Path, what: str = "data file"):
-    """(line number, parsed JSON) for each non-blank line of an input file; a missing file or a
-    bad line is a one-line error naming the file and line (inputs must be whole, unlike the
-    run directory's own logs, which `read_jsonl` reads leniently)."""
+def iter_jsonl_strict(path: Path, what: str = "data file") -> Iterator[tuple[int, Any]]:
+    """`parse_jsonl` over a UTF-8 file; a missing file or one that is not UTF-8 is a one-line
+    error naming it."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{what} not found: {path}")
     with open(path, encoding="utf-8") as f:
         lineno = 0
         try:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            for lineno, record in parse_jsonl(f, path):
                 yield lineno, record
         except UnicodeDecodeError:
             raise UserError(f"{what} {path}: not UTF-8 text (after line {lineno})") from None
@@ -357,7 +386,7 @@ def truncate_jsonl_lines(path: Path, n: int) -> None:
     path = Path(path)
     if not path.exists():
         return
-    rows = read_jsonl(path)[:n]
+    rows = read_jsonl(path)[0][:n]
     write_jsonl(path, rows)
 
 

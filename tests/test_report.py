@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from keel import report
-from keel.report import heat_colour, load_run, metric_series, nice_ticks, peak_of, read_jsonl, write_report
+from keel.report import heat_colour, load_run, metric_series, nice_ticks, peak_of, write_report
+from keel.rundir import read_jsonl
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from make_run import HOSTILE, make_run  # noqa: E402

@@ -31,7 +31,6 @@ signal families that were there to look at.
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 from collections import Counter
@@ -56,6 +55,7 @@ from keel.metrics import (
     TOOLS_PER_QUESTION,
 )
 from keel.rewards import is_empty_observation, returned_entities
+from keel.rundir import atomic_write_text, read_jsonl
 from keel.types import Trajectory
 
 MODES = ("healthy", "control_token_collapse", "sparse_format_collapse", "ritual", "format_drift", "spec_gaming_cliff")
@@ -66,28 +66,6 @@ _STEP_FILE = re.compile(r"step_(\d+)\.jsonl$")
 
 
 # --- reading ------------------------------------------------------------------------------------
-
-
-def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """(objects, bad lines) of a JSONL file; a missing file is ([], 0). Lines that are not JSON
-    objects (a torn last line, garbage) are skipped and counted."""
-    if not path.is_file():
-        return [], 0
-    rows, bad = [], 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1
-                continue
-            if isinstance(obj, dict):
-                rows.append(obj)
-            else:
-                bad += 1
-    return rows, bad
 
 
 def _step_files(folder: Path) -> list[tuple[int, Path]]:
@@ -101,9 +79,11 @@ class RunData:
 
     def __init__(self, run_dir: Path) -> None:
         self.bad_lines: dict[str, int] = {}
-        metrics, self.bad_lines["metrics.jsonl"] = read_jsonl(run_dir / "metrics.jsonl")
+        metrics, bad = read_jsonl(run_dir / "metrics.jsonl")
+        self.bad_lines["metrics.jsonl"] = len(bad)
         self.metrics = sorted((m for m in metrics if isinstance(m.get("step"), (int, float)) and not isinstance(m.get("step"), bool)), key=lambda m: m["step"])
-        self.alerts, self.bad_lines["alerts.jsonl"] = read_jsonl(run_dir / "alerts.jsonl")
+        self.alerts, bad = read_jsonl(run_dir / "alerts.jsonl")
+        self.bad_lines["alerts.jsonl"] = len(bad)
         self.samples: dict[int, list[Trajectory]] = {}
         for step, path in _step_files(run_dir / "samples"):
             rows, bad = read_jsonl(path)
@@ -112,13 +92,14 @@ class RunData:
                 try:
                     trajs.append(Trajectory.from_dict(row))
                 except (KeyError, TypeError, ValueError, AttributeError):
-                    bad += 1
-            self.bad_lines[f"samples/{path.name}"] = bad
+                    pass
+            self.bad_lines[f"samples/{path.name}"] = len(bad) + len(rows) - len(trajs)  # not JSON objects, or not trajectories
             if trajs:
                 self.samples[step] = trajs
         self.evals: dict[int, list[dict[str, Any]]] = {}
         for step, path in _step_files(run_dir / "eval"):
-            rows, self.bad_lines[f"eval/{path.name}"] = read_jsonl(path)
+            rows, bad = read_jsonl(path)
+            self.bad_lines[f"eval/{path.name}"] = len(bad)
             rows = [r for r in rows if isinstance(r.get("em"), (int, float))]
             if rows:
                 self.evals[step] = rows
@@ -377,9 +358,7 @@ def diagnose(run_dir: Path | str) -> dict[str, Any]:
             "bad_lines": run.bad_lines,
         },
     }
-    tmp = run_dir / ".diagnosis.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2, default=str))
-    os.replace(tmp, run_dir / "diagnosis.json")
+    atomic_write_text(run_dir / "diagnosis.json", json.dumps(result, indent=2, default=str))
     return result
 
 

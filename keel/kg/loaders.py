@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 from keel.errors import UserError
 from keel.kg.oracle import run_plan
 from keel.kg.store import MemoryStore
+from keel.rundir import parse_jsonl
 from keel.types import Task
 
 FORMATS = ("keel", "cwq", "pathquestion", "metaqa")
@@ -157,7 +158,8 @@ def _detect_format(path: Path) -> str:
 
 
 def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(1-based line number or list index, record) from a JSON list or JSON-lines file."""
+    """(1-based line number or list index, record) from a JSON list or a JSON-lines file (the
+    lines read by keel.rundir.parse_jsonl, as every input file of records is)."""
     with _open_text(path) as f:
         text = f.read()
     if text.lstrip().startswith("["):
@@ -170,13 +172,7 @@ def _json_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise UserError(f"{path}: item {k} is not a JSON object")
             yield k, record
         return
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+    for lineno, record in parse_jsonl(text.split("\n"), path):  # "\n" only: str.splitlines would also cut at a raw U+2028
         if not isinstance(record, dict):
             raise UserError(f"{path}:{lineno}: not a JSON object")
         yield lineno, record

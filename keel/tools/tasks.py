@@ -17,33 +17,26 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from keel.errors import UserError, read_user_text
+from keel.rundir import parse_jsonl
 from keel.types import Task
 
 KNOWN = ("id", "prompt", "messages", "answer", "gold_calls")
 
 
 class TaskFileError(UserError):
-    """A malformed line; the message names the file and line."""
+    """A line that is JSON but not a task; the message names the file and line. (A line that is
+    not JSON is keel.rundir.parse_jsonl's UserError, in the same form.)"""
 
 
 def load_jsonl_tasks(path: str | Path) -> list[Task]:
     p = Path(path)
     tasks, seen = [], set()
-    for n, line in enumerate(read_user_text(p, "tasks file").splitlines(), 1):
-        if not line.strip():
-            continue
+    for n, row in parse_jsonl(read_user_text(p, "tasks file").split("\n"), p):
         where = f"{p}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskFileError(f"{where}: not JSON ({e.msg})") from None
-        except RecursionError:
-            raise TaskFileError(f"{where}: not JSON (nested too deeply)") from None
         if not isinstance(row, dict):
             raise TaskFileError(f"{where}: a task must be a JSON object")
         task = task_from_row(row, f"{p.stem}-{n}", where)
