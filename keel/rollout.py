@@ -325,15 +325,6 @@ def _choose(logits: torch.Tensor, params: SamplingParams, generator, active: Seq
     return tok, logp.gather(1, tok[:, None])[:, 0]
 
 
-def _template_suffix(conversation: Conversation, text: str, outcome) -> str | None:
-    """The chat template's text after a clean assistant turn: the tool results, or the next user
-    message, and the next assistant header (None: the template does not reproduce the turn)."""
-    conversation.add_turn(text)
-    if outcome.steps:
-        return conversation.extend([{"role": "tool", "content": result} for result in outcome.results])
-    return conversation.extend([{"role": "user", "content": outcome.next_user or ""}])
-
-
 @torch.no_grad()
 def rollout(
     model,
@@ -471,7 +462,7 @@ def rollout(
                 if r.conversation is None:
                     suffix = render_tool_responses(outcome.results) if outcome.steps else render_user_turn(outcome.next_user or "")
                 else:
-                    suffix = _template_suffix(r.conversation, text, outcome)
+                    suffix = r.conversation.respond(text, outcome.results, outcome.next_user)
                     if suffix is None:  # the template does not render this turn as sampled (keel.templates)
                         r.traj.truncated = True
                         r.traj.info["template_mismatch_turn"] = r.turn - 1

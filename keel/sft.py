@@ -9,23 +9,28 @@ tests/test_sft.py checks the two agree.
 
 Gold trajectories are built the way a rollout is: the prompt through `encode_prompt`, each
 gold turn's text encoded on its own and closed with <|im_end|>, each tool response rendered by
-the real environment, so SFT trains exactly the token layout the policy will sample in.
+the real environment, so SFT trains exactly the token layout the policy will sample in. With the
+model's own chat template (`chat`, keel.templates) the same holds in its layout: its prompt, the
+gold calls written in its family's format and closed by its end-of-turn token, its deltas.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
 from keel.chat import IM_END, render_assistant_calls, render_tool_responses, render_user_turn
 from keel.episode import process_turn
 from keel.rollout import encode_prompt
+from keel.templates import ChatTemplate
 from keel.types import Env, Source, Task, Trajectory
 
 
-def gold_turn_texts(task: Task) -> list[str]:
-    """Assistant texts of the gold trajectory.
+def gold_turn_texts(task: Task, render_calls: Callable[[list[dict[str, Any]]], str] = render_assistant_calls) -> list[str]:
+    """Assistant texts of the gold trajectory, calls written by `render_calls` (Hermes
+    <tool_call> blocks; a chat template's family writes its own, keel.templates).
 
     - `meta["gold_texts"]` when a loader wrote full texts;
     - function calling (BFCL layout, `meta["ground_truth"]`): per user turn, one message with
@@ -41,28 +46,40 @@ def gold_turn_texts(task: Task) -> list[str]:
         texts = []
         for calls in task.gold_turns:
             if calls:
-                texts.append(render_assistant_calls(calls))
+                texts.append(render_calls(calls))
             texts.append(task.meta.get("gold_text") or DONE_TEXT)
         return texts
-    texts = [render_assistant_calls(calls) for calls in task.gold_turns if calls]
+    texts = [render_calls(calls) for calls in task.gold_turns if calls]
     texts.append(f"<answer>{task.answers[0]}</answer>")
     return texts
 
 
-def gold_trajectory(tokenizer, env: Env, task: Task, source: int = Source.EXPERT, hint: str | None = None) -> Trajectory:
+def gold_trajectory(tokenizer, env: Env, task: Task, source: int = Source.EXPERT, hint: str | None = None,
+                    chat: ChatTemplate | None = None) -> Trajectory:
     """The gold episode as a Trajectory whose assistant tokens carry `source` (EXPERT by default).
 
     Tool responses come from executing the gold calls in `env`, so a gold trajectory is also a
     check that the gold path works there (`info["gold_ok"]` is False if a gold call failed).
+    `chat`: render it with the model's own template, as `rollout(chat=...)` renders an episode
+    (a gold turn the template does not reproduce ends it, `gold_ok` False). Hints are Hermes-only.
     """
-    ids, sources = encode_prompt(tokenizer, env, task, hint)
+    if chat is not None and hint:
+        raise ValueError("gold_trajectory: hints need Keel's Hermes format (encode_prompt's layout); not available with a chat template")
+    conversation = None
+    if chat is None:
+        ids, sources = encode_prompt(tokenizer, env, task, hint)
+        eos = tokenizer.convert_tokens_to_ids(IM_END)
+    else:
+        conversation = chat.start(env.system_prompt(task), env.tools(task), env.user_message(task))
+        ids = chat.encode(conversation.text)
+        sources = [int(Source.PROMPT)] * len(ids)
+        eos = chat.end_id
     logprobs = [0.0] * len(ids)
-    eos = tokenizer.convert_tokens_to_ids(IM_END)
     tr = Trajectory(task_id=task.id, token_ids=[], sources=[], logprobs=[])
     episode = env.start(task)
     gold_ok = True
     try:
-        texts = gold_turn_texts(task)
+        texts = gold_turn_texts(task) if chat is None else gold_turn_texts(task, chat.render_calls)
         for turn, text in enumerate(texts):
             turn_ids = tokenizer.encode(text, add_special_tokens=False) + [eos]
             start = len(ids)
@@ -71,7 +88,7 @@ def gold_trajectory(tokenizer, env: Env, task: Task, source: int = Source.EXPERT
             logprobs += [0.0] * len(turn_ids)
             tr.turn_spans.append((start, len(ids)))
             tr.turn_texts.append(text)
-            outcome = process_turn(episode, text, turn)
+            outcome = process_turn(episode, text, turn, parse=chat.parse if chat is not None else None)
             tr.steps.extend(outcome.steps)
             gold_ok &= all(s.observation.ok for s in outcome.steps)
             if outcome.answer is not None:
@@ -79,7 +96,14 @@ def gold_trajectory(tokenizer, env: Env, task: Task, source: int = Source.EXPERT
             if outcome.final or turn == len(texts) - 1:
                 tr.finished = outcome.final
                 break
-            suffix = render_tool_responses(outcome.results) if outcome.steps else render_user_turn(outcome.next_user or "")
+            if conversation is None:
+                suffix = render_tool_responses(outcome.results) if outcome.steps else render_user_turn(outcome.next_user or "")
+            else:
+                suffix = conversation.respond(text, outcome.results, outcome.next_user)
+                if suffix is None:  # the template does not render this gold turn as written (keel.templates)
+                    tr.truncated, gold_ok = True, False
+                    tr.info["template_mismatch_turn"] = turn
+                    break
             s_ids = tokenizer.encode(suffix, add_special_tokens=False)
             ids += s_ids
             sources += [Source.TOOL] * len(s_ids)

@@ -225,6 +225,14 @@ class Conversation:
         self.turn_spans.append((start, len(self.text)))
         self.messages.append({"role": "assistant", "content": content})
 
+    def respond(self, content: str, results: list[str], next_user: str | None) -> str | None:
+        """`add_turn(content)`, then `extend` with what answered it: one tool message per call
+        result, or (a turn without calls) the environment's next user message."""
+        self.add_turn(content)
+        if results:
+            return self.extend([{"role": "tool", "content": result} for result in results])
+        return self.extend([{"role": "user", "content": next_user or ""}])
+
     def extend(self, messages: list[dict[str, Any]]) -> str | None:
         """The text to append after the last assistant turn for `messages` (tool results or a user
         message), ending with the next assistant header; None when the template does not render

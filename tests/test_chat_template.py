@@ -299,3 +299,63 @@ def test_rollout_through_the_hermes_template_equals_the_builtin_path(tiny, chats
     assert [t.token_ids for t in builtin] == [t.token_ids for t in templated]
     assert [t.sources for t in builtin] == [t.sources for t in templated]
     assert [t.turn_spans for t in builtin] == [t.turn_spans for t in templated]
+
+
+def gold_task(chat: ChatTemplate):
+    """Task 0 of EchoEnv(lengths=(2,)) with two call turns (two parallel calls where the family writes them) and answer item0."""
+    task = make_tasks(1)[0]
+    task.gold_turns = [[call("a"), call("b")] if chat.family == "hermes" else [call("a")], [call("c")]]
+    return task
+
+
+@pytest.mark.parametrize("which", ["qwen2.5", "llama3.1", "hermes"])
+def test_a_gold_trajectory_is_a_rollout_forced_to_the_gold_turns(chats, which):
+    """SFT trains on what rollouts produce: the gold episode through the template is, id for id,
+    a rollout whose policy is steered to write the gold turns, and its text is the template's
+    rendering of the whole gold conversation."""
+    from transformers import LlamaForCausalLM
+
+    from keel.models import tiny_config
+    from keel.sft import gold_trajectory
+
+    chat = chats[which]
+    tok = chat.tokenizer
+    env, task = EchoEnv(lengths=(2,)), gold_task(chat)
+    gold = gold_trajectory(tok, env, task, chat=chat)
+    assert gold.info["gold_ok"] and gold.finished and gold.answer == "item0" and len(gold.steps) == len(task.gold_turns[0]) + 1
+    assert gold.turn_texts[:2] == [chat.render_calls(calls) for calls in task.gold_turns]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(len(tok)))
+    forced = [chat.encode(text) + [chat.end_id] for text in gold.turn_texts]
+    (sampled,) = rollout(model, tok, env, [task], SamplingParams(max_turns=len(forced), max_new_tokens=64), generator=torch.Generator().manual_seed(0),
+                         steer=lambda row, turn: forced[turn], chat=chat)
+    assert sampled.token_ids == gold.token_ids
+    assert sampled.sources == [int(Source.POLICY) if s == Source.EXPERT else s for s in gold.sources]
+    assert (sampled.turn_spans, sampled.turn_texts, sampled.answer, sampled.finished) == (gold.turn_spans, gold.turn_texts, gold.answer, True)
+    messages = [{"role": "system", "content": env.system_prompt(task)}, {"role": "user", "content": task.question}]
+    for k, text in enumerate(gold.turn_texts):
+        messages += [{"role": "assistant", "content": text}] + [tool(s.observation.text) for s in gold.steps if s.turn == k]
+    text = tok.decode(gold.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert text + CLOSING[chat.family] == chat.render(messages, TOOLS, generation=False)
+
+
+def test_gold_through_keels_hermes_template_is_the_builtin_gold(chats, smollm2_tokenizer):
+    from keel.sft import gold_trajectory
+
+    env, task = EchoEnv(lengths=(2,)), gold_task(chats["hermes"])
+    builtin, templated = gold_trajectory(smollm2_tokenizer, env, task), gold_trajectory(smollm2_tokenizer, env, task, chat=chats["hermes"])
+    assert (templated.token_ids, templated.sources, templated.turn_spans) == (builtin.token_ids, builtin.sources, builtin.turn_spans)
+    with pytest.raises(ValueError, match="hints need Keel's Hermes format"):
+        gold_trajectory(smollm2_tokenizer, env, task, hint="Hint.", chat=chats["hermes"])
+
+
+def test_a_gold_turn_the_template_does_not_reproduce_fails_the_gold(chats):
+    """Llama-3.1's template trims a turn: a gold text ending in a space cannot be continued."""
+    from keel.sft import gold_trajectory
+
+    llama = chats["llama3.1"]
+    task = gold_task(llama)
+    task.meta["gold_texts"] = [llama.render_calls([call("a")]) + " ", "<answer>item0</answer>"]
+    gold = gold_trajectory(llama.tokenizer, EchoEnv(lengths=(2,)), task, chat=llama)
+    assert not gold.info["gold_ok"] and gold.truncated and gold.info["template_mismatch_turn"] == 0 and len(gold.turn_spans) == 1
+
