@@ -263,14 +263,15 @@ def _claim(out: Path | None, parent: str, name: str):
 
 def preflight(cfg, distributed: bool = False):
     """What can fail before a run directory exists, run there: the model name, the trajectories
-    file (read whole), data loading (synthetic data into a staging dir), over-long prompts, gold replay.
+    file (read whole), the model's own chat template (model.chat_format=template), data loading
+    (synthetic data into a staging dir), over-long prompts, gold replay.
     Returns (env, train, dev) for `train(prepared=...)` and the staging dir (or None)."""
     import tempfile
 
     from keel import tasks as task_builder
     from keel.models import check_model_name, load_tokenizer
-
     from keel.rewards import resolve_reward
+    from keel.templates import for_run
 
     check_model_name(cfg.model.name, "model.name")
     resolve_reward(cfg.reward.name)  # a key of REWARDS or the user's module:function, before any directory exists
@@ -287,9 +288,10 @@ def preflight(cfg, distributed: bool = False):
         return None, None
     staging = Path(tempfile.mkdtemp(prefix="keel-staging-")) if cfg.data.source == "synthetic" and cfg.env.kind == "kg" else None
     try:
-        tok = load_tokenizer(cfg.model.name, "model.name")
-        env, train_tasks, dev = task_builder.prepare(cfg, staging, tok)
-        task_builder.check_gold_replay(cfg, env, train_tasks, tok)
+        tok = load_tokenizer(cfg.model.name, "model.name", own_template=cfg.model.chat_format == "template")
+        chat = for_run(cfg, tok)  # model.chat_format=template: a template Keel cannot use is refused here, before any directory
+        env, train_tasks, dev = task_builder.prepare(cfg, staging, tok, chat)
+        task_builder.check_gold_replay(cfg, env, train_tasks, tok, chat)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -468,10 +470,11 @@ def _config_eval(args, out: Path) -> dict:
         else:
             from keel.models import load_model
             from keel.rollout import SamplingParams
+            from keel.templates import for_run
 
-            model, tok = load_model(args.policy, cfg.model.dtype, what="--policy")
+            model, tok = load_model(args.policy, cfg.model.dtype, what="--policy", own_template=cfg.model.chat_format == "template")
             params = SamplingParams(greedy=True, max_turns=max_turns, max_new_tokens=cfg.eval.max_new_tokens, max_total_tokens=cfg.rollout.max_total_tokens)
-            means, rows, trajs = evaluate_model(model, tok, env, tasks, params, cfg.eval.batch_size)
+            means, rows, trajs = evaluate_model(model, tok, env, tasks, params, cfg.eval.batch_size, chat=for_run(cfg, tok))
         from keel.endpoint import request_errors
 
         summary = {**means, "n": len(rows), "policy": args.policy, "config": str(args.config), "env": kind, "split": args.split,
@@ -575,6 +578,9 @@ def _distill(args) -> int:
     if not Path(args.checkpoint).is_dir():
         raise FileNotFoundError(f"distill: checkpoint directory not found: {args.checkpoint}")
     cfg = load_config(args.config, args.overrides)
+    if cfg.model.chat_format == "template":  # its episodes are for signals.self_distill, which trains in the Hermes layout only
+        raise UserError("distill: model.chat_format=template is not supported (signals.self_distill trains on Hermes-layout episodes); "
+                        "use model.chat_format=hermes")
     env, train_tasks, _ = task_builder.build(cfg, None)
     if args.limit:
         train_tasks = train_tasks[: args.limit]

@@ -15,6 +15,7 @@ import torch
 from keel.diagnostics.episode_metrics import episode_record, eval_metrics
 from keel.episode import run_text_episode
 from keel.rollout import SamplingParams, rollout
+from keel.templates import ChatTemplate
 from keel.types import Env, Task, Trajectory
 
 
@@ -47,13 +48,15 @@ def evaluate_model(
     params: SamplingParams,
     batch_size: int = 25,
     progress: Callable[[int], None] | None = None,
+    chat: ChatTemplate | None = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]], list[Trajectory]]:
-    """Greedy rollouts in batches → (means, per-question rows, trajectories)."""
+    """Greedy rollouts in batches → (means, per-question rows, trajectories); `chat`: rendered
+    with the model's own template (keel.templates), as in training."""
     params = SamplingParams(**{**params.__dict__, "greedy": True})
     rows, trajs = [], []
     for s in range(0, len(tasks), batch_size):
         chunk = list(tasks[s : s + batch_size])
-        out = rollout(model, tokenizer, env, chunk, params, generator=torch.Generator().manual_seed(0))
+        out = rollout(model, tokenizer, env, chunk, params, generator=torch.Generator().manual_seed(0), chat=chat)
         for task, tr in zip(chunk, out):
             rows.append(_record(tr, task))
             trajs.append(tr)
@@ -159,9 +162,10 @@ class _NoToolEpisode:
 
 
 def tool_lift_metrics(model, tokenizer, env: Env, tasks: Sequence[Task], params: SamplingParams, k: int,
-                      generator: torch.Generator, batch_size: int = 32) -> dict[str, float]:
+                      generator: torch.Generator, batch_size: int = 32, chat: ChatTemplate | None = None) -> dict[str, float]:
     """pass@k with tools, pass@k with tools disabled and their difference (paper B's tool lift),
-    from k sampled episodes per question in each condition (unbiased pass@k with n = k)."""
+    from k sampled episodes per question in each condition (unbiased pass@k with n = k);
+    `chat` as in evaluate_model."""
     from keel import metrics as M
     from keel.diagnostics.episode_metrics import correct_counts, mean_pass_at_k, tool_lift
 
@@ -172,7 +176,7 @@ def tool_lift_metrics(model, tokenizer, env: Env, tasks: Sequence[Task], params:
         records = []
         for s in range(0, len(rows), batch_size):
             chunk = rows[s : s + batch_size]
-            for task, tr in zip(chunk, rollout(model, tokenizer, e, chunk, sampled, generator=generator)):
+            for task, tr in zip(chunk, rollout(model, tokenizer, e, chunk, sampled, generator=generator, chat=chat)):
                 records.append(_record(tr, task))
         counts[label] = correct_counts(records)
     return {

@@ -10,7 +10,8 @@ CLI plugin).
 
 Every tokenizer gets Keel's Hermes chat template (keel.chat.HERMES_TEMPLATE) when it has no
 template of its own that handles tools; Keel renders conversations itself in token space, the
-template is for users who call `apply_chat_template`.
+template is for users who call `apply_chat_template`. With model.chat_format=template a local
+model keeps its own template (`own_template`), which then renders the episodes (keel.templates).
 """
 
 from __future__ import annotations
@@ -137,8 +138,11 @@ def check_model_name(name: str, what: str = "model.name") -> None:
                         "or a directory written by save_pretrained, e.g. RUN/checkpoints/peak")
 
 
-def load_tokenizer(name: str, what: str = "model.name"):
-    """Tokenizer for model `name` (smollm2, tiny, or a local directory); `what` names the setting in errors."""
+def load_tokenizer(name: str, what: str = "model.name", own_template: bool = False):
+    """Tokenizer for model `name` (smollm2, tiny, or a local directory); `what` names the setting in errors.
+    `own_template`: keep a local model's own chat template even without tool support
+    (model.chat_format=template renders with it, or refuses it); else such a template is
+    replaced by Keel's Hermes template."""
     _quiet()
     from transformers import AutoTokenizer
 
@@ -150,7 +154,7 @@ def load_tokenizer(name: str, what: str = "model.name"):
             tok = AutoTokenizer.from_pretrained(str(name))
         except (OSError, ValueError) as e:
             raise UserError(f"{what}: {name}: no usable tokenizer ({' '.join(str(e).split())[:160]})") from None
-        if not tok.chat_template or "tool" not in tok.chat_template:
+        if not own_template and (not tok.chat_template or "tool" not in tok.chat_template):
             tok.chat_template = HERMES_TEMPLATE
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -178,15 +182,17 @@ def tiny_config(vocab_size: int):
     )
 
 
-def load_model(name: str, dtype: str = "float32", seed: int = 0, device: str = "cpu", what: str = "model.name"):
+def load_model(name: str, dtype: str = "float32", seed: int = 0, device: str = "cpu", what: str = "model.name",
+               own_template: bool = False):
     """(model, tokenizer) for `name`: "smollm2" (embedded), "tiny" (random, seeded) or a local dir;
-    `what` is how the user named it, for errors (model.name, --policy, --checkpoint)."""
+    `what` is how the user named it, for errors (model.name, --policy, --checkpoint);
+    `own_template` as in load_tokenizer."""
     _quiet()
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if dtype not in DTYPES:
         raise UserError(f"model.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
-    tok = load_tokenizer(name, what)
+    tok = load_tokenizer(name, what, own_template)
     if name == TINY:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

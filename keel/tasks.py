@@ -8,6 +8,7 @@ from pathlib import Path
 
 from keel.config import Config
 from keel.errors import UserError
+from keel.templates import ChatTemplate
 from keel.types import Env, Task
 
 
@@ -194,14 +195,15 @@ def build_tools(cfg: Config, training: bool = True) -> tuple[Env, list[Task], li
     return env, train, dev
 
 
-def prepare(cfg: Config, run_dir: Path | None, tokenizer) -> tuple[Env, list[Task], list[Task]]:
+def prepare(cfg: Config, run_dir: Path | None, tokenizer, chat: ChatTemplate | None = None) -> tuple[Env, list[Task], list[Task]]:
     """`build`, then drop the questions whose prompt leaves no room for one assistant turn in
     rollout.max_total_tokens (a 1 MB question would otherwise ask for tens of GB in the first
-    forward), with a counted warning; a set left empty is a DataError."""
+    forward), with a counted warning; a set left empty is a DataError. `chat`: the run's chat
+    template (keel.templates), whose prompt is the one measured."""
     env, train, dev = build(cfg, run_dir)
     budget = cfg.rollout.max_total_tokens - max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
-    train, n_train = drop_overlong(train, tokenizer, env, budget)
-    dev, n_dev = drop_overlong(dev, tokenizer, env, budget)
+    train, n_train = drop_overlong(train, tokenizer, env, budget, chat)
+    dev, n_dev = drop_overlong(dev, tokenizer, env, budget, chat)
     if n_train or n_dev:
         print(f"[keel] warning: dropped {n_train} training and {n_dev} dev questions whose prompt is longer than "
               f"{budget} tokens (rollout.max_total_tokens={cfg.rollout.max_total_tokens} minus one turn's new tokens)", flush=True)
@@ -215,25 +217,31 @@ def prepare(cfg: Config, run_dir: Path | None, tokenizer) -> tuple[Env, list[Tas
 SHORT_QUESTION_BYTES = 256  # questions this short are not tokenised here (any prompt budget Keel uses fits them)
 
 
-def drop_overlong(tasks: list[Task], tokenizer, env: Env, budget: int) -> tuple[list[Task], int]:
+def drop_overlong(tasks: list[Task], tokenizer, env: Env, budget: int, chat: ChatTemplate | None = None) -> tuple[list[Task], int]:
     """(tasks whose encoded prompt has at most `budget` tokens, how many were dropped). Only
-    questions longer than SHORT_QUESTION_BYTES are encoded, so a normal set costs nothing."""
+    questions longer than SHORT_QUESTION_BYTES are encoded, so a normal set costs nothing.
+    `chat`: the prompt is that chat template's (keel.templates), else Keel's Hermes one."""
     from keel.rollout import encode_prompt
 
-    kept = [t for t in tasks if len(t.question.encode("utf-8", "replace")) <= SHORT_QUESTION_BYTES
-            or len(encode_prompt(tokenizer, env, t)[0]) <= budget]
+    def prompt_length(t: Task) -> int:
+        if chat is None:
+            return len(encode_prompt(tokenizer, env, t)[0])
+        return len(chat.encode(chat.start(env.system_prompt(t), env.tools(t), env.user_message(t)).text))
+
+    kept = [t for t in tasks if len(t.question.encode("utf-8", "replace")) <= SHORT_QUESTION_BYTES or prompt_length(t) <= budget]
     return kept, len(tasks) - len(kept)
 
 
-def check_gold_replay(cfg: Config, env: Env, train: list[Task], tokenizer) -> None:
+def check_gold_replay(cfg: Config, env: Env, train: list[Task], tokenizer, chat: ChatTemplate | None = None) -> None:
     """The SFT warm-start trains on gold trajectories replayed in the environment; if none
-    replays, say so before a run directory exists (not after the first evaluation)."""
+    replays, say so before a run directory exists (not after the first evaluation). `chat`:
+    replayed through the run's chat template, as the SFT phase builds them."""
     if not (cfg.sft.enabled and cfg.sft.steps > 0) or cfg.signals.self_distill.trajectories:
         return
     from keel.sft import gold_trajectory
 
     for task in train:
-        if gold_trajectory(tokenizer, env, task).info.get("gold_ok", True):
+        if gold_trajectory(tokenizer, env, task, chat=chat).info.get("gold_ok", True):
             return
     raise DataError(f"sft: none of the {len(train)} training questions' gold trajectories replays in the environment "
                     "(every one has a failing gold call); check data.kb against the questions, or set sft.enabled=false")

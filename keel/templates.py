@@ -123,6 +123,24 @@ def detect_family(template: str, name: str) -> str:
                     f"known: {', '.join(FAMILIES)} (<tool_call> JSON, Llama-3.1 JSON with \"parameters\")")
 
 
+def for_run(cfg, tokenizer) -> ChatTemplate | None:
+    """The template a run renders with (`cfg` a keel.config.Config): None for
+    model.chat_format=hermes (Keel's own layout, keel.chat); for `template`, the tokenizer's own
+    (load it with keel.models.load_tokenizer(..., own_template=True)), refused with one line when
+    the template cannot serve (from_tokenizer) or when the config needs the Hermes call family:
+    env.kind=fc_learn parses calls with its own <tool_call> parser, and env.plan writes its plan
+    as <think> before a <tool_call> block. keel.config.check_chat_format refuses the rest before."""
+    if cfg.model.chat_format != "template":
+        return None
+    chat = ChatTemplate.from_tokenizer(tokenizer)
+    if chat.family != "hermes":
+        needs = [key for key, on in (("env.kind=fc_learn", cfg.env.kind == "fc_learn"), ("env.plan", cfg.env.plan)) if on]
+        if needs:
+            raise UserError(f"model.chat_format=template: {chat.name}'s template writes {chat.family} calls, but {needs[0]} "
+                            "reads and writes Hermes <tool_call> calls; use a Hermes-family template (Qwen2.5) or model.chat_format=hermes")
+    return chat
+
+
 PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.",
                                                "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}
 

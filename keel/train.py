@@ -45,6 +45,7 @@ from keel.rollout import SamplingParams, rollout
 from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, swap_dir, truncate_jsonl_lines, write_jsonl
 from keel.sft import SFTExample, decompose, gold_trajectory
 from keel.signals.schedule import supervision_backward
+from keel.templates import for_run
 from keel.types import Source, Trajectory
 
 
@@ -459,7 +460,8 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)
         self.rng = random.Random(cfg.run.seed)  # the same on every rank: ranks agree on batches and phases
         device = resolve_device(cfg.model.device)
-        self.model, self.tok = load_model(cfg.model.name, cfg.model.dtype, cfg.run.seed, device)
+        self.model, self.tok = load_model(cfg.model.name, cfg.model.dtype, cfg.run.seed, device, own_template=cfg.model.chat_format == "template")
+        self.chat = for_run(cfg, self.tok)  # None: Keel's Hermes layout; else the model's own template renders every episode
         self.lora = None
         if cfg.model.lora_rank > 0:
             self.lora = LoRA(self.model, cfg.model.lora_rank, cfg.model.lora_alpha)
@@ -468,7 +470,7 @@ class Trainer:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         for main_turn in (True, False):  # rank 0 writes run/data (synthetic data) before the others read it
             if self.ctx.is_main == main_turn:
-                self.env, self.train_tasks, dev_tasks = prepared or task_builder.prepare(cfg, run, self.tok)
+                self.env, self.train_tasks, dev_tasks = prepared or task_builder.prepare(cfg, run, self.tok, self.chat)
             barrier(self.ctx)
         self.dev = dev_tasks[: cfg.eval.n_dev]
         self.tasks_by_id = {t.id: t for t in self.train_tasks + self.dev}
@@ -587,7 +589,7 @@ class Trainer:
         per = -(-len(self.dev) // ctx.world_size)
         mine = self.dev[ctx.rank * per : (ctx.rank + 1) * per]
         bar = _progress(len(mine), f"eval ({label})", cfg.run.progress and ctx.is_main)
-        means, rows, trajs = evaluate_model(self.sampler, self.tok, self.env, mine, params, cfg.eval.batch_size, progress=bar.update)
+        means, rows, trajs = evaluate_model(self.sampler, self.tok, self.env, mine, params, cfg.eval.batch_size, progress=bar.update, chat=self.chat)
         bar.close()
         if ctx.enabled:
             from keel.diagnostics.episode_metrics import eval_metrics
@@ -609,7 +611,7 @@ class Trainer:
             # its own seeded generator: tool lift must not shift the training rollouts' randomness
             lift_gen = torch.Generator().manual_seed(cfg.run.seed * 1000003 + step)
             means.update(tool_lift_metrics(self.sampler, self.tok, self.env, self.dev[: cfg.eval.tool_lift_n], sampled,
-                                           cfg.eval.tool_lift_k, lift_gen, cfg.eval.batch_size))
+                                           cfg.eval.tool_lift_k, lift_gen, cfg.eval.batch_size, chat=self.chat))
         self.say(f"[keel] step {step} eval ({label}): EM {means[M.EVAL_EM]:.3f}  F1 {means[M.EVAL_F1]:.3f}  "
                  f"format-valid {means[M.EVAL_FORMAT_VALID]:.3f}  tools/q {means[M.EVAL_TOOLS_PER_QUESTION]:.2f}")
         return means
@@ -779,7 +781,7 @@ class Trainer:
                 raise UserError(f"signals.self_distill.trajectories: {path} has no usable episodes")
             p.summary["sft_source"] = f"self-distillation: {path}"
         else:
-            golds = [gold_trajectory(self.tok, self.env, t) for t in self.train_tasks]
+            golds = [gold_trajectory(self.tok, self.env, t, chat=self.chat) for t in self.train_tasks]
             examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=cfg.sft.packed)]
             if not examples:
                 raise UserError("sft: no gold trajectory could be replayed in the environment (every gold call failed)")
@@ -912,7 +914,7 @@ class Trainer:
             hints = [per_task[g] for g in local_groups]
             signal_line[M.SIGNAL_HINTED_GROUPS] = sum(h is not None for h in per_task) / len(per_task)
         local = rollout(self.sampler, self.tok, self.env, local_rows, params, generator=gens, groups=local_groups, hints=hints,
-                        hint_position=s.hint.position)
+                        hint_position=s.hint.position, chat=self.chat)
         t_rollout = time.time() - t0
         release_free_memory()  # the rollout's KV caches were freed into the heap; the update allocates differently
         for tr, task in zip(local, local_rows):
@@ -1006,7 +1008,9 @@ class Trainer:
         records = [episode_record(tr, task) for tr, task in zip(trajs, rows)]
         line.update(tool_metrics(records))
         line.update(failure_metrics(records))
-        line.update(structural_shares(trajs))
+        # the structural states read <tool_call> blocks: a healthy Llama-3.1 bare-JSON call would count as full collapse
+        if self.chat is None or self.chat.family == "hermes":
+            line.update(structural_shares(trajs))
         freqs = control_tag_frequency([self.pieces([t for t, s in zip(tr.token_ids, tr.sources) if s == Source.POLICY]) for tr in trajs])
         self.freq_baseline.record(freqs)  # first RL step: the policy equals the reference model
         line.update(self.freq_baseline.metrics(freqs))

@@ -359,3 +359,19 @@ def test_a_gold_turn_the_template_does_not_reproduce_fails_the_gold(chats):
     gold = gold_trajectory(llama.tokenizer, EchoEnv(lengths=(2,)), task, chat=llama)
     assert not gold.info["gold_ok"] and gold.truncated and gold.info["template_mismatch_turn"] == 0 and len(gold.turn_spans) == 1
 
+
+def test_for_run_refuses_what_needs_the_hermes_family(chats):
+    from keel.config import Config, set_key
+    from keel.templates import for_run
+
+    llama, qwen = chats["llama3.1"].tokenizer, chats["qwen2.5"].tokenizer
+    cfg = Config()
+    assert for_run(cfg, llama) is None  # model.chat_format=hermes: Keel's own layout
+    set_key(cfg, "model.chat_format", "template")
+    assert for_run(cfg, llama).family == "llama3"
+    for key, value in (("env.kind", "fc_learn"), ("env.plan", True)):
+        changed = copy.deepcopy(cfg)
+        set_key(changed, key, value)
+        with pytest.raises(UserError, match=f"template writes llama3 calls, but {key}"):
+            for_run(changed, llama)
+        assert for_run(changed, qwen).family == "hermes"
