@@ -45,6 +45,7 @@ from keel.rollout import SamplingParams, rollout
 from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, swap_dir, truncate_jsonl_lines, write_jsonl
 from keel.sft import SFTExample, decompose, gold_trajectory
 from keel.signals.schedule import supervision_backward
+from keel.signals.state import SignalState
 from keel.templates import for_run
 from keel.types import Source, Trajectory
 
@@ -487,57 +488,7 @@ class Trainer:
         self.ref_model = None
         self.opt = None
         self.sched = None
-        self.init_signals()
-
-    # ---- paper A's supervision signals (keel.signals) ---------------------------------------
-    def init_signals(self) -> None:
-        from keel.signals.ets import ETSBuffer
-        from keel.signals.hints import HintPolicy
-        from keel.signals.reflection import LLMAnalyzer, RuleAnalyzer
-        from keel.signals.schedule import Schedule
-
-        s = self.cfg.signals
-        self.schedule = Schedule.from_config(s, self.cfg.grpo.lr)
-        self.hint_policy = HintPolicy(self.env, s.hint.kinds, s.hint.position, s.hint.only_failed, s.hint.fail_at) if s.hint.enabled else None
-        self.ets = ETSBuffer(s.ets.window, s.ets.capacity, s.ets.fail_at) if s.ets.enabled else None
-        self.analyzer = None
-        if s.reflection.enabled:
-            self.analyzer = RuleAnalyzer(self.env) if s.reflection.analyzer == "rule" else LLMAnalyzer(
-                s.reflection.base_url, s.reflection.model, s.reflection.api_key or None, getattr(self.env, "call_format", "json"))
-        self.reflections: list[SFTExample] = []  # newest last, at most signals.reflection.pool
-        self.gold_cache: dict[str, Trajectory] = {}  # gold trajectories, built once per task
-        self._gold_examples: list[SFTExample] | None = None
-
-    def supervision_pool(self, kind: str) -> list[SFTExample]:
-        """The examples a supervision kind trains on now: gold SFT of all training tasks, the
-        ETS buffer's gold trajectories, or the reflection pool."""
-        from keel.signals.ops import expert_trajectory
-
-        if kind == "sft":
-            if self._gold_examples is None:
-                for t in self.train_tasks:
-                    if t.id not in self.gold_cache:
-                        self.gold_cache[t.id] = expert_trajectory(self.tok, self.env, t)
-                golds = [self.gold_cache[t.id] for t in self.train_tasks]
-                self._gold_examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=self.cfg.sft.packed)]
-            return self._gold_examples
-        if kind == "ets":
-            return self.ets.sft_examples(self.tok, self.env, self.tasks_by_id, packed=self.cfg.sft.packed)
-        return list(self.reflections)
-
-    def signals_state(self) -> dict[str, Any]:
-        out = {}
-        if self.ets is not None:
-            out["ets"] = self.ets.state_dict()
-        if self.hint_policy is not None:
-            out["hints"] = self.hint_policy.state_dict()
-        return out
-
-    def load_signals_state(self, state: dict[str, Any]) -> None:
-        if self.ets is not None and "ets" in state:
-            self.ets.load_state_dict(state["ets"])
-        if self.hint_policy is not None and "hints" in state:
-            self.hint_policy.load_state_dict(state["hints"])
+        self.signals = SignalState(cfg.signals, cfg.grpo.lr, self.env, self.tok, self.train_tasks, self.tasks_by_id, cfg.sft.packed)
 
     # ---- small services -------------------------------------------------------------------
     def log(self, line: dict[str, Any]) -> None:
@@ -654,7 +605,8 @@ class Trainer:
         if not self.cfg.run.save_checkpoints:
             return
         p = self.p
-        p.signals = self.signals_state()
+        signals = self.signals.state_dict()
+        p.signals = {k: v for k, v in signals.items() if k != "reflections"}  # reflections go to reflections.pt
         state = {
             "progress": asdict(p),
             "rng": _rng_to_json(self.rng.getstate()),
@@ -663,8 +615,7 @@ class Trainer:
             "scheduler": self.sched.state_dict() if self.sched is not None else None,
             "step": p.step,
         }
-        extra = {"torch_rng.pt": torch.get_rng_state(),
-                 "reflections.pt": [(e.token_ids, e.targets, e.task_id, e.turn) for e in self.reflections]}
+        extra = {"torch_rng.pt": torch.get_rng_state(), "reflections.pt": signals["reflections"]}
         self.save_main("latest", self.model, self.opt, state, extra)
 
     def restore(self) -> None:
@@ -687,9 +638,10 @@ class Trainer:
         torch.set_rng_state(torch.load(ck / "torch_rng.pt"))
         self.detectors.load_state_dict(state["detectors"])
         self.freq_baseline.load_state_dict(state["freq_baseline"])
-        self.load_signals_state(self.p.signals)
+        signals = dict(self.p.signals)
         if (ck / "reflections.pt").exists():
-            self.reflections = [SFTExample(*r) for r in torch.load(ck / "reflections.pt")]
+            signals["reflections"] = torch.load(ck / "reflections.pt")
+        self.signals.load_state_dict(signals)
         if self.p.phase in ("rl", "done"):
             reference = load_file(str(self.run_dir / "checkpoints" / "reference" / "model.safetensors"))
             if self.lora is not None:  # base weights = the SFT model folded at the RL start; adapters on top
@@ -841,7 +793,7 @@ class Trainer:
             p.step += 1
             p.rl_done += 1
             line, stop = self.rl_step(params)
-            phase = self.schedule.phase_after(p.rl_done)
+            phase = self.signals.schedule.phase_after(p.rl_done)
             if phase is not None and not stop:
                 self.supervision_phase(phase)  # every rank alike: same examples, same rng, same weights
             last = p.rl_done == cfg.grpo.steps
@@ -867,7 +819,7 @@ class Trainer:
         RL steps; each supervision step is one metrics line with phase "sft"."""
         from keel.signals.schedule import run_phase
 
-        examples = [e for k in phase.sources for e in self.supervision_pool(k)]
+        examples = [e for k in phase.sources for e in self.signals.supervision_pool(k)]
         if not examples:
             return
         opt = torch.optim.AdamW(self.model.parameters(), lr=phase.lr, weight_decay=0.0, eps=self.cfg.grpo.adam_eps)
@@ -909,8 +861,8 @@ class Trainer:
         # not depend on the rank or the batch it is in
         gens = [torch.Generator().manual_seed(row_seed(cfg.run.seed, p.rl_done, g, i - groups.index(g))) for i, g in zip(keep, local_groups)]
         hints = None
-        if self.hint_policy is not None:  # shown only while sampling; collate drops them for the loss
-            per_task = self.hint_policy.hints_for(batch_tasks)
+        if self.signals.hint_policy is not None:  # shown only while sampling; collate drops them for the loss
+            per_task = self.signals.hint_policy.hints_for(batch_tasks)
             hints = [per_task[g] for g in local_groups]
             signal_line[M.SIGNAL_HINTED_GROUPS] = sum(h is not None for h in per_task) / len(per_task)
         local = rollout(self.sampler, self.tok, self.env, local_rows, params, generator=gens, groups=local_groups, hints=hints,
@@ -932,32 +884,28 @@ class Trainer:
         rewards = torch.tensor([tr.reward for tr in trajs])
         group_rewards = [[tr.reward for tr, g in zip(trajs, groups) if g == k] for k in range(len(batch_tasks))]
         task_ids = [t.id for t in batch_tasks]
-        if self.hint_policy is not None:
-            self.hint_policy.observe(task_ids, group_rewards)
-        if self.ets is not None:  # ETS: queries whose whole group failed enter the buffer
-            self.ets.observe(p.rl_done, task_ids, group_rewards)
-            signal_line[M.SIGNAL_ETS_BUFFER] = float(len(self.ets))
+        if self.signals.hint_policy is not None:
+            self.signals.hint_policy.observe(task_ids, group_rewards)
+        if self.signals.ets is not None:  # ETS: queries whose whole group failed enter the buffer
+            self.signals.ets.observe(p.rl_done, task_ids, group_rewards)
+            signal_line[M.SIGNAL_ETS_BUFFER] = float(len(self.signals.ets))
         local_rewards = torch.tensor([tr.reward for tr in local])
         members = local
         if s.ops.enabled:  # OPS: gold members join the group; advantages over both kinds (Eq. 4)
-            experts = [e for k in mine for e in expert_members(self.tok, self.env, batch_tasks[k], s.ops.members, group=k, cache=self.gold_cache)]
+            experts = [e for k in mine for e in expert_members(self.tok, self.env, batch_tasks[k], s.ops.members, group=k, cache=self.signals.gold_cache)]
             expert_rewards = [self.reward_fn(e, batch_tasks[e.group])[0] for e in experts]
             mixed_groups = group_with_experts(local, local_rewards, experts, expert_rewards, local_groups, cfg.grpo.scale_by_std)
             members, adv = mixed_groups.trajectories, mixed_groups.advantages
             signal_line[M.SIGNAL_OPS_MEMBERS] = all_reduce_sum([len(experts)], ctx)[0]
         else:
             adv = advantages(local_rewards, local_groups, cfg.grpo, ctx)
-        if self.analyzer is not None:  # PRS (one process only): reflections on failed episodes join the pool
-            got, errors = collect_reflections(self.analyzer, self.rng.sample(trajs, len(trajs)), self.tasks_by_id,
+        if self.signals.analyzer is not None:  # PRS (one process only): reflections on failed episodes join the pool
+            got, errors = collect_reflections(self.signals.analyzer, self.rng.sample(trajs, len(trajs)), self.tasks_by_id,
                                               s.reflection.fail_at, s.reflection.per_step)
-            for tr, r in got:
-                ex = reflection_example(self.tok, tr, r.text, s.reflection.max_tokens)
-                if ex is not None:
-                    self.reflections.append(ex)
-            del self.reflections[: -s.reflection.pool]
+            self.signals.add_reflections([reflection_example(self.tok, tr, r.text, s.reflection.max_tokens) for tr, r in got], s.reflection.pool)
             signal_line.update({M.SIGNAL_REFLECTIONS: float(len(got)), M.SIGNAL_REFLECTION_ERRORS: float(errors)})
-        extra = [(k, self.schedule.sync_weight(k), sample_examples(self.supervision_pool(k), s.sync_examples, self.rng))
-                 for k in self.schedule.kinds if self.schedule.sync_weight(k) > 0]
+        extra = [(k, self.signals.schedule.sync_weight(k), sample_examples(self.signals.supervision_pool(k), s.sync_examples, self.rng))
+                 for k in self.signals.schedule.kinds if self.signals.schedule.sync_weight(k) > 0]
         t1 = time.time()
         sink: list = []
         old_from_policy = self.sampler is not self.model or cfg.model.autocast
