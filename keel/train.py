@@ -17,20 +17,16 @@ equal are skipped when `grpo.skip_zero_advantage` (their policy-gradient term is
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
-from dataclasses import asdict, dataclass, field
 import math
-import os
 import random
 import resource
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from keel import checkpoint
 from keel import metrics as M
 from keel.config import Config, dump_yaml, get_key
 from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
@@ -40,9 +36,9 @@ from keel.evaluate import evaluate_model
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
 from keel.losses import aggregate, batch_advantages, batch_stats, clipped_surrogate, group_advantages, kl_estimate
 from keel.memory import release_free_memory, set_mmap_threshold
-from keel.models import DTYPES, LoRA, load_model, resolve_device
+from keel.models import DTYPES, LoRA, copy_weights, frozen_copy, load_model, make_optimizer, resolve_device
 from keel.rollout import SamplingParams, rollout
-from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, swap_dir, truncate_jsonl_lines, write_jsonl
+from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, write_jsonl
 from keel.sft import SFTExample, decompose, gold_trajectory
 from keel.signals.schedule import supervision_backward
 from keel.signals.state import SignalState
@@ -58,10 +54,6 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _lr_lambda(warmup: int):
-    return lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
 
 
 class PieceCache:
@@ -238,9 +230,6 @@ def grpo_update(
     return stats
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
 def advantages(rewards: torch.Tensor, groups: list[int], g, ctx) -> torch.Tensor:
     """This rank's advantages under `grpo.baseline`: centred on each group's mean (GRPO), or on
     the mean of the whole step's batch over every rank (`batch`, one all-reduce)."""
@@ -250,68 +239,9 @@ def advantages(rewards: torch.Tensor, groups: list[int], g, ctx) -> torch.Tensor
     return group_advantages(rewards, torch.tensor(groups, dtype=torch.long), g.scale_by_std)
 
 
-def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
-    """Write into a temp dir and swap it in: a kill mid-write leaves the previous one intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        for name, obj in (extra or {}).items():
-            torch.save(obj, tmp / name)
-        atomic_write_json(tmp / "trainer_state.json", state)  # written last: its presence marks a complete checkpoint
-    except Exception as exc:  # a full disk: say so (safetensors and torch.save do not), free the partial copy
-        from keel.rundir import disk_full
-
-        full = disk_full(exc, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from None
-        raise
-    swap_dir(tmp, path)
-
-
-def complete_checkpoint(path: Path) -> Path | None:
-    """The usable checkpoint at `path`: itself if complete (trainer_state.json is written last),
-    else the `.old` copy a kill between swap_dir's two renames leaves behind (moved back)."""
-    if (path / "trainer_state.json").exists():
-        return path
-    old = path.with_name(path.name + ".old")
-    if (old / "trainer_state.json").exists():
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(old, path)
-        return path
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class Progress:
-    """Everything besides tensors that a resumed run needs to continue exactly (saved as JSON)."""
-
-    step: int = 0  # global step: SFT steps, then RL steps
-    phase: str = "start"  # start → sft → rl → done
-    sft_done: int = 0
-    rl_done: int = 0
-    sft_order: list[int] = field(default_factory=list)  # remaining example indices of the current SFT epoch
-    rl_order: list[int] = field(default_factory=list)  # remaining task indices of the current RL epoch
-    peak: dict[str, Any] = field(default_factory=lambda: {"step": None, M.EVAL_EM: -1.0})
-    last_eval: dict[str, float] | None = None
-    summary: dict[str, Any] = field(default_factory=dict)
-    metrics_lines: int = 0  # lines of metrics.jsonl / alerts.jsonl covered by this state
-    alerts_lines: int = 0
-    config_changes: dict[str, Any] = field(default_factory=dict)  # applied by rollback alerts
-    signals: dict[str, Any] = field(default_factory=dict)  # ETS buffer and hint-policy state
-
-
 class Interrupted:
     """SIGINT or SIGTERM (`kill`, `docker stop`, a scheduler's pre-emption) sets the flag; the
     loop finishes its step, checkpoints, writes summary.json and returns; the CLI then exits
@@ -479,12 +409,10 @@ class Trainer:
         self.pieces = PieceCache(self.tok)
         self.detectors = Detectors(cfg.detectors)
         self.freq_baseline = ControlFrequencyBaseline()
-        self.p = Progress(summary={"run_dir": str(run), "model": cfg.model.name, "n_train": len(self.train_tasks), "n_dev_eval": len(self.dev)})
+        self.p = checkpoint.Progress(summary={"run_dir": str(run), "model": cfg.model.name, "n_train": len(self.train_tasks), "n_dev_eval": len(self.dev)})
         self.sampler = self.model
         if cfg.rollout.dtype != cfg.model.dtype:
-            self.sampler = copy.deepcopy(self.model).to(DTYPES[cfg.rollout.dtype]).eval()
-            for q in self.sampler.parameters():
-                q.requires_grad_(False)
+            self.sampler = frozen_copy(self.model, DTYPES[cfg.rollout.dtype])
         self.ref_model = None
         self.opt = None
         self.sched = None
@@ -510,16 +438,6 @@ class Trainer:
         except Exception as exc:
             print(f"[keel] warning: report not written: {type(exc).__name__}: {exc}", flush=True)
 
-    def sync_sampler(self) -> None:
-        if self.sampler is not self.model:
-            with torch.no_grad():
-                for ps, pm in zip(self.sampler.parameters(), self.model.parameters()):
-                    ps.copy_(pm)
-
-    def make_optimizer(self, lr: float, warmup: int, weight_decay: float = 0.0) -> None:
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, eps=self.cfg.grpo.adam_eps)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(warmup))
-
     def make_reference(self) -> None:
         """The frozen reference: the policy as RL starts. Kept even at kl_coef 0, because the
         per-token KL telemetry (which tokens drift) reads it."""
@@ -527,9 +445,7 @@ class Trainer:
             self.lora.fold()
             self.ref_model = self.lora
             return
-        self.ref_model = copy.deepcopy(self.model).eval()
-        for q in self.ref_model.parameters():
-            q.requires_grad_(False)
+        self.ref_model = frozen_copy(self.model)
 
     def evaluate(self, label: str) -> dict[str, float]:
         """Greedy dev evaluation. Under several processes each rank takes a contiguous shard of
@@ -579,16 +495,6 @@ class Trainer:
         self.interrupted.flag = all_reduce_sum([float(self.interrupted.flag)], self.ctx)[0] > 0
         return self.interrupted.flag
 
-    def save_main(self, name: str, model, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
-        """checkpoints/<name>, written by rank 0; every rank waits until it is complete. A LoRA
-        policy is saved merged (a plain model for `keel eval`) plus its adapter weights."""
-        if self.ctx.is_main and self.lora is not None and model is self.model:
-            model = self.lora.merged_model()
-            extra = {**(extra or {}), "adapter.pt": self.lora.adapter_state()}
-        if self.ctx.is_main:
-            save_checkpoint(self.run_dir / "checkpoints" / name, model, self.tok, optimizer, state, extra)
-        barrier(self.ctx)
-
     def next_batch(self, order: list[int], n: int, pool: int) -> list[int]:
         """n indices from a shuffled epoch order, reshuffling when an epoch ends (order is Progress state)."""
         out = []
@@ -599,91 +505,17 @@ class Trainer:
             out.append(order.pop())
         return out
 
-    # ---- checkpoints ----------------------------------------------------------------------
-    def checkpoint(self) -> None:
-        """checkpoints/latest: weights, optimizer, scheduler, RNG states, detectors, progress."""
-        if not self.cfg.run.save_checkpoints:
-            return
-        p = self.p
-        signals = self.signals.state_dict()
-        p.signals = {k: v for k, v in signals.items() if k != "reflections"}  # reflections go to reflections.pt
-        state = {
-            "progress": asdict(p),
-            "rng": _rng_to_json(self.rng.getstate()),
-            "detectors": self.detectors.state_dict(),
-            "freq_baseline": self.freq_baseline.state_dict(),
-            "scheduler": self.sched.state_dict() if self.sched is not None else None,
-            "step": p.step,
-        }
-        extra = {"torch_rng.pt": torch.get_rng_state(), "reflections.pt": signals["reflections"]}
-        self.save_main("latest", self.model, self.opt, state, extra)
-
-    def restore(self) -> None:
-        """Load checkpoints/latest and cut metrics/alerts back to what it covers."""
-        from safetensors.torch import load_file
-
-        from keel.config import set_key
-
-        ck = complete_checkpoint(self.run_dir / "checkpoints" / "latest")
-        state = json.loads((ck / "trainer_state.json").read_text())
-        self.p = Progress(**state["progress"])
-        for key, value in self.p.config_changes.items():
-            set_key(self.cfg, key, value)
-        if self.lora is not None:
-            self.lora.load_adapter_state(torch.load(ck / "adapter.pt"))
-        else:
-            self.model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
-        self.sync_sampler()
-        self.rng.setstate(_rng_from_json(state["rng"]))
-        torch.set_rng_state(torch.load(ck / "torch_rng.pt"))
-        self.detectors.load_state_dict(state["detectors"])
-        self.freq_baseline.load_state_dict(state["freq_baseline"])
-        signals = dict(self.p.signals)
-        if (ck / "reflections.pt").exists():
-            signals["reflections"] = torch.load(ck / "reflections.pt")
-        self.signals.load_state_dict(signals)
-        if self.p.phase in ("rl", "done"):
-            reference = load_file(str(self.run_dir / "checkpoints" / "reference" / "model.safetensors"))
-            if self.lora is not None:  # base weights = the SFT model folded at the RL start; adapters on top
-                self.lora.load_base_state(reference)
-                self.ref_model = self.lora
-                self.sync_sampler()
-            else:
-                self.make_reference()
-                self.ref_model.load_state_dict(reference, strict=False)
-            self.make_optimizer(self.cfg.grpo.lr, self.cfg.grpo.warmup_steps, self.cfg.grpo.weight_decay)
-        else:
-            self.make_optimizer(self.cfg.sft.lr, self.cfg.sft.warmup_steps)
-        if (ck / "optimizer.pt").exists():
-            self.opt.load_state_dict(torch.load(ck / "optimizer.pt"))
-        if state.get("scheduler"):
-            self.sched.load_state_dict(state["scheduler"])
-        if self.ctx.is_main:
-            truncate_jsonl_lines(self.run_dir / "metrics.jsonl", self.p.metrics_lines)
-            truncate_jsonl_lines(self.run_dir / "alerts.jsonl", self.p.alerts_lines)
-        barrier(self.ctx)
-        self.say(f"[keel] resumed {self.run_dir} at step {self.p.step} ({self.p.phase})")
-
-    def restart(self) -> None:
-        """Resume of a run killed before any complete checkpoint: nothing trained is lost, so run
-        again from step 0 (same config, same seed) over what the killed process left."""
-        if self.ctx.is_main:
-            for name in ("checkpoints", "samples", "eval"):
-                shutil.rmtree(self.run_dir / name, ignore_errors=True)
-            truncate_jsonl_lines(self.run_dir / "metrics.jsonl", 0)
-            truncate_jsonl_lines(self.run_dir / "alerts.jsonl", 0)
-        barrier(self.ctx)
-        self.say(f"[keel] {self.run_dir} has no complete checkpoint yet: starting it again from step 0")
-
     # ---- the loop -------------------------------------------------------------------------
     def run(self, resume: bool) -> dict[str, Any]:
         cfg, p = self.cfg, self.p
-        has_checkpoint = complete_checkpoint(self.run_dir / "checkpoints" / "latest") is not None if self.ctx.is_main else None
+        has_checkpoint = checkpoint.complete_checkpoint(self.run_dir / "checkpoints" / "latest") is not None if self.ctx.is_main else None
         if resume and broadcast_object(has_checkpoint, self.ctx):  # rank 0 decides (and mends a half-swapped one)
-            self.restore()
+            checkpoint.restore(self)
             p = self.p
+            self.say(f"[keel] resumed {self.run_dir} at step {p.step} ({p.phase})")
         elif resume:  # killed before its first checkpoint was complete: start over in the same directory
-            self.restart()
+            checkpoint.restart(self.run_dir, self.ctx)
+            self.say(f"[keel] {self.run_dir} has no complete checkpoint yet: starting it again from step 0")
         # 1. the untrained model
         if p.phase == "start":
             if cfg.eval.before_sft:
@@ -691,14 +523,14 @@ class Trainer:
                 p.summary["eval_before_sft"] = means
                 self.log({M.PHASE: "eval", **means})
             p.phase = "sft"
-            self.make_optimizer(cfg.sft.lr, cfg.sft.warmup_steps)
+            self.opt, self.sched = make_optimizer(self.model, cfg.sft.lr, cfg.sft.warmup_steps, 0.0, cfg.grpo.adam_eps)
         # 2. SFT warm-start on gold trajectories (paper A's single-step decomposition)
         if p.phase == "sft":
             if cfg.sft.enabled and cfg.sft.steps > 0 and not self.sft_phase():
                 return self.finish(interrupted=True)
             if cfg.sft.enabled and cfg.sft.steps > 0:
                 self.opt = self.sched = None  # SFT's AdamW state (2× the weights) is not needed by the eval; RL makes its own
-                self.sync_sampler()
+                copy_weights(self.sampler, self.model)
                 means = self.evaluate("after_sft")
                 p.summary["eval_after_sft"] = means
                 p.summary["eval_after_sft_step"] = p.step
@@ -706,9 +538,9 @@ class Trainer:
             p.phase = "rl"
             self.make_reference()
             if cfg.run.save_checkpoints:
-                self.save_main("reference", self.model if self.lora is not None else self.ref_model, None, {"step": p.step})
-            self.make_optimizer(cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo.weight_decay)
-            self.checkpoint()
+                checkpoint.save(self, "reference", self.model if self.lora is not None else self.ref_model, None, {"step": p.step})
+            self.opt, self.sched = make_optimizer(self.model, cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo.weight_decay, cfg.grpo.adam_eps)
+            checkpoint.save_latest(self)
             if self.interrupted_anywhere():  # a signal during the post-SFT eval: stop here, not after a whole RL step
                 return self.finish(interrupted=True)
         # 3. GRPO
@@ -754,7 +586,7 @@ class Trainer:
             bar.update(1)
             interrupted = self.interrupted_anywhere()
             if cfg.run.checkpoint_every and p.sft_done % cfg.run.checkpoint_every == 0 or interrupted:
-                self.checkpoint()
+                checkpoint.save_latest(self)
             if interrupted:
                 bar.close()
                 return False
@@ -800,7 +632,7 @@ class Trainer:
             interrupted = self.interrupted_anywhere()
             if cfg.run.save_checkpoints and (line.get(M.EVAL_EM) is not None or stop or interrupted or last
                                              or (cfg.run.checkpoint_every and p.rl_done % cfg.run.checkpoint_every == 0)):
-                self.checkpoint()
+                checkpoint.save_latest(self)
             if line.get(M.EVAL_EM) is not None:
                 self.refresh_report()
             bar.set_postfix(reward=f"{line[M.REWARD_MEAN]:.3f}", em=f"{p.last_eval[M.EVAL_EM]:.2f}" if p.last_eval else "-")
@@ -829,7 +661,7 @@ class Trainer:
         for stats in lines:
             self.p.step += 1
             self.log({M.PHASE: "sft", **stats, M.SIGNAL_PHASE: phase.kind})
-        self.sync_sampler()
+        copy_weights(self.sampler, self.model)
 
     def rl_step(self, params: SamplingParams) -> tuple[dict[str, Any], bool]:
         """One GRPO step: rollout → rewards → advantages → update → telemetry → detectors.
@@ -932,7 +764,7 @@ class Trainer:
             sink = [x for x in sink if x[0] < len(trajs)]  # KL telemetry on sampled tokens, not gold ones
         self.sched.step()
         self.model.zero_grad(set_to_none=True)  # the rollout and evaluations that follow need no gradients
-        self.sync_sampler()
+        copy_weights(self.sampler, self.model)
         t_update = time.time() - t1
         n_policy = sum(tr.num_policy_tokens for tr in trajs)
         mixed = sum(1 for k in range(len(batch_tasks)) if rewards[[g == k for g in groups]].std() > 0) / len(batch_tasks)
@@ -968,7 +800,7 @@ class Trainer:
             if p.last_eval[M.EVAL_EM] > p.peak[M.EVAL_EM]:
                 p.peak = {"step": p.step, **p.last_eval}
                 if cfg.run.save_checkpoints:
-                    self.save_main("peak", self.model, None, {"step": p.step, "eval": p.last_eval})
+                    checkpoint.save(self, "peak", self.model, None, {"step": p.step, "eval": p.last_eval})
         line[M.TIME_STEP] = time.time() - t0
         stop = self.handle_alerts(line)
         self.log(line)
@@ -981,11 +813,9 @@ class Trainer:
         for alert in alerts:
             record = alert.to_dict()
             if alert.action == "rollback":
-                record["rolled_back_to"] = _rollback(self.model, self.run_dir, self.cfg, alert.on_rollback, self.lora)
+                record["rolled_back_to"] = checkpoint.rollback(self, alert.on_rollback)  # peak weights, new config, new optimizer
                 if record["rolled_back_to"] is not None:
-                    self.sync_sampler()
                     line[M.ALERT_ROLLBACK] = 1.0
-                    self.make_optimizer(self.cfg.grpo.lr, 0, self.cfg.grpo.weight_decay)
                     record["config_now"] = {k: get_key(self.cfg, k) for k in alert.on_rollback}
                     self.p.config_changes.update(record["config_now"])
             elif alert.action == "stop":
@@ -1043,43 +873,6 @@ class Trainer:
             return None
         return {M.RL_LIFT_EM: lift["lift"], M.RL_LIFT_P_VALUE: lift["p_value"], M.RL_LIFT_N: lift["n"], M.RL_LIFT_GAINED: lift["gained"],
                 M.RL_LIFT_LOST: lift["lost"], M.RL_LIFT_EM_AFTER_SFT: lift["before"], M.RL_LIFT_EM_FINAL: lift["after"]}
-
-
-def _rng_to_json(state) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _rng_from_json(state) -> tuple:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
-
-
-def _rollback(model, run: Path, cfg: Config, overrides: dict[str, str], lora: LoRA | None = None) -> int | None:
-    """Load the `peak` checkpoint's weights and apply the alert's config changes ("x5" multiplies).
-
-    Returns the peak's step, or None when there is no peak yet (the alert is then only logged).
-    """
-    from safetensors.torch import load_file
-
-    from keel.config import set_key
-
-    peak = run / "checkpoints" / "peak"
-    if not (peak / "model.safetensors").exists():
-        return None
-    if lora is not None:
-        lora.load_adapter_state(torch.load(peak / "adapter.pt"))
-    else:
-        model.load_state_dict(load_file(str(peak / "model.safetensors")), strict=False)  # tied lm_head is not stored separately
-    for key, value in overrides.items():
-        current = get_key(cfg, key)
-        if isinstance(value, str) and value.startswith("x") and isinstance(current, (int, float)):
-            set_key(cfg, key, float(current) * float(value[1:]))
-        else:
-            import yaml
-
-            set_key(cfg, key, yaml.safe_load(value) if isinstance(value, str) else value)
-    return int(json.loads((peak / "trainer_state.json").read_text())["step"])
 
 
 def _telemetry(sink: list, pieces: PieceCache) -> dict[str, float]:
