@@ -29,6 +29,7 @@ import torch
 from keel import checkpoint
 from keel import metrics as M
 from keel.config import Config, dump_yaml, get_key
+from keel.diagnostics.step_metrics import PieceCache, rl_step_metrics
 from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
                               local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
 from keel.errors import UserError
@@ -54,24 +55,6 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-class PieceCache:
-    """Decoded text of single token ids, cached (telemetry labels tokens by control tag)."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, ids: list[int]) -> list[str]:
-        out = []
-        for t in ids:
-            p = self.cache.get(t)
-            if p is None:
-                p = self.tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                self.cache[t] = p
-            out.append(p)
-        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -671,9 +654,6 @@ class Trainer:
         combined with token weights, and the trajectories are gathered so every rank computes
         the same metrics line and the detectors take the same decisions.
         """
-        from keel.diagnostics.episode_metrics import episode_record, failure_metrics, tool_metrics
-        from keel.diagnostics.states import structural_shares
-        from keel.diagnostics.telemetry import control_tag_frequency
         from keel.signals.ops import expert_members, group_with_experts, sampled_rows
         from keel.signals.reflection import collect_reflections, reflection_example
         from keel.signals.schedule import sample_examples
@@ -709,11 +689,6 @@ class Trainer:
                 tr.info["reward_error"] = f"{type(exc).__name__}: {exc}"
             tr.reward, tr.reward_components = float(total), parts
         trajs = [t for part in gather_objects(local, ctx) for t in part] if ctx.enabled else local  # all rows, in row order
-        comps: dict[str, list[float]] = {}
-        for tr in trajs:
-            for k, v in tr.reward_components.items():
-                comps.setdefault(k, []).append(float(v))
-        rewards = torch.tensor([tr.reward for tr in trajs])
         group_rewards = [[tr.reward for tr, g in zip(trajs, groups) if g == k] for k in range(len(batch_tasks))]
         task_ids = [t.id for t in batch_tasks]
         if self.signals.hint_policy is not None:
@@ -766,34 +741,10 @@ class Trainer:
         self.model.zero_grad(set_to_none=True)  # the rollout and evaluations that follow need no gradients
         copy_weights(self.sampler, self.model)
         t_update = time.time() - t1
-        n_policy = sum(tr.num_policy_tokens for tr in trajs)
-        mixed = sum(1 for k in range(len(batch_tasks)) if rewards[[g == k for g in groups]].std() > 0) / len(batch_tasks)
-        line: dict[str, Any] = {
-            M.PHASE: "rl",
-            M.REWARD_MEAN: float(rewards.mean()),
-            M.REWARD_STD: float(rewards.std()) if len(rewards) > 1 else 0.0,
-            M.REWARD_MIXED_GROUPS: mixed,
-            **{M.REWARD_COMPONENT_PREFIX + k: sum(v) / len(v) for k, v in comps.items()},
-            **stats,
-            M.ROLLOUT_POLICY_TOKENS: float(n_policy),
-            M.ROLLOUT_TOKENS_PER_S: n_policy / max(t_rollout, 1e-9),
-            M.ROLLOUT_MEAN_TURNS: sum(len(tr.turn_spans) for tr in trajs) / len(trajs),
-            M.ROLLOUT_TRUNCATED: sum(tr.truncated for tr in trajs) / len(trajs),
-            M.TIME_ROLLOUT: t_rollout,
-            M.TIME_UPDATE: t_update,
-            M.OPTIM_LR: self.sched.get_last_lr()[0],
-        }
-        line.update(signal_line)
-        line.update(_telemetry(sink, self.pieces))
-        records = [episode_record(tr, task) for tr, task in zip(trajs, rows)]
-        line.update(tool_metrics(records))
-        line.update(failure_metrics(records))
         # the structural states read <tool_call> blocks: a healthy Llama-3.1 bare-JSON call would count as full collapse
-        if self.chat is None or self.chat.family == "hermes":
-            line.update(structural_shares(trajs))
-        freqs = control_tag_frequency([self.pieces([t for t, s in zip(tr.token_ids, tr.sources) if s == Source.POLICY]) for tr in trajs])
-        self.freq_baseline.record(freqs)  # first RL step: the policy equals the reference model
-        line.update(self.freq_baseline.metrics(freqs))
+        line = rl_step_metrics(trajs, rows, groups, len(batch_tasks), stats, signal_line, sink, self.pieces, self.freq_baseline,
+                               structural=self.chat is None or self.chat.family == "hermes", lr=self.sched.get_last_lr()[0],
+                               t_rollout=t_rollout, t_update=t_update)
         if p.rl_done % cfg.eval.every == 0 or p.rl_done == cfg.grpo.steps:
             p.last_eval = self.evaluate(f"rl_step_{p.rl_done}")
             line.update(p.last_eval)
@@ -873,17 +824,3 @@ class Trainer:
             return None
         return {M.RL_LIFT_EM: lift["lift"], M.RL_LIFT_P_VALUE: lift["p_value"], M.RL_LIFT_N: lift["n"], M.RL_LIFT_GAINED: lift["gained"],
                 M.RL_LIFT_LOST: lift["lost"], M.RL_LIFT_EM_AFTER_SFT: lift["before"], M.RL_LIFT_EM_FINAL: lift["after"]}
-
-
-def _telemetry(sink: list, pieces: PieceCache) -> dict[str, float]:
-    """Control-tag KL telemetry of the trained tokens (see keel.diagnostics.telemetry)."""
-    if not sink:
-        return {}
-    from keel.chat import token_tag_labels
-    from keel.diagnostics.telemetry import token_telemetry
-
-    sink.sort(key=lambda x: x[0])
-    tok_pieces = [pieces(ids) for _, ids, _, _, _ in sink]
-    labels = [token_tag_labels(p) for p in tok_pieces]
-    metrics, _top = token_telemetry([x[2] for x in sink], [x[3] for x in sink], [x[4] for x in sink], labels, tok_pieces)
-    return metrics
