@@ -22,13 +22,13 @@ import random
 import resource
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from keel import checkpoint
 from keel import metrics as M
-from keel.config import Config, dump_yaml, get_key
+from keel.config import Config, GRPOConfig, dump_yaml, get_key
 from keel.diagnostics.step_metrics import PieceCache, rl_step_metrics
 from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
                               local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
@@ -99,24 +99,31 @@ def grpo_update(
     optimizer,
     trajectories: list[Trajectory],
     advantages: torch.Tensor,
-    cfg: Config,
+    g: GRPOConfig,
     pad_id: int,
     temperature: float,
     telemetry_sink: list | None = None,
-    old_from_policy: bool = False,
+    old_from_policy: Sequence[bool] | None = None,
     extra_losses: list[tuple[str, float, list]] = (),
+    autocast: bool = False,
+    max_tokens: int = 0,
 ) -> dict[str, float]:
     """One optimizer step of the GRPO loss over the trajectories (gradient-accumulated).
 
-    Loss = aggregate(clipped surrogate) + kl_coef · aggregate(KL(policy || reference)), both
+    Loss = aggregate(clipped surrogate) + g.kl_coef · aggregate(KL(policy || reference)), both
     aggregated over policy (and expert) tokens with the batch-global normalisers, so micro-batch
-    size does not change the loss. Returns loss/kl/clip statistics.
-    `old_from_policy`: take every token's old log-prob from this policy before the update
-    (needed when rollouts were sampled by a lower-precision copy of the weights).
+    size does not change the loss. Returns loss/kl/clip statistics; kl/ and tokens/entropy here
+    are over every trained token (the metrics line takes those from the token telemetry).
+    A token's "old" log-prob is its sampling one, except where it is this policy's own, taken
+    before the update (ratio 1 at this step): expert tokens (off-policy gold, never sampled), and
+    every token of trajectory i when `old_from_policy[i]` (None: no trajectory) — the caller
+    marks rows sampled by a lower-precision copy of the weights or under autocast, and hinted
+    rows (keel.signals.hints) whose sampling log-probs were taken with the hint in context.
     `extra_losses`: (kind, weight, SFT examples) added to this same update — paper A's
     synchronous paradigm (gold SFT, ETS, reflection losses mixed into the RL step).
+    `autocast`: bf16 autocast for the forwards; `max_tokens`: cap on the positions one forward
+    encodes (`micro_batches`; 0: g.micro_batch_size rows only).
     """
-    g = cfg.grpo
     train_sources = (Source.POLICY, Source.EXPERT)
     members = [i for i in range(len(trajectories)) if not (g.skip_zero_advantage and float(advantages[i]) == 0.0)]
     stats = {M.LOSS_POLICY: 0.0, M.LOSS_KL: 0.0, M.LOSS_TOTAL: 0.0, M.KL_K1_MEAN: 0.0, M.KL_K3_MEAN: 0.0, M.KL_MEAN: 0.0,
@@ -131,10 +138,10 @@ def grpo_update(
     num_seqs = max(len(members), 1)
     sums = {"pg": 0.0, "kl": 0.0, "k1": 0.0, "k3": 0.0, "low": 0.0, "high": 0.0, "ratio": 0.0, "ent": 0.0}
     kept = [[trajectories[i].token_ids[k] for k in kept_positions(trajectories[i].sources)] for i in members]
-    parts = micro_batches(kept, g.micro_batch_size, cfg.model.max_tokens_per_micro_batch)
+    parts = micro_batches(kept, g.micro_batch_size, max_tokens)
     ref_net, ref_mode = _reference(ref_model, model)
     ref_prefix = None
-    with _autocast(cfg.model.autocast, model):
+    with _autocast(autocast, model):
         prefix = update_prefix(model, kept, parts)
         if ref_net is not None:  # the reference's own encoding of the same prefix, also once per update
             with torch.no_grad(), ref_mode():
@@ -142,25 +149,20 @@ def grpo_update(
     for part in parts:
         idx = [members[j] for j in part]
         batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
-        with _autocast(cfg.model.autocast, model):
+        with _autocast(autocast, model):
             logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True,
                                        prefix=prefix)
         if ref_net is None:
             ref_logp = logp.detach()
         else:
-            with torch.no_grad(), ref_mode(), _autocast(cfg.model.autocast, model):
+            with torch.no_grad(), ref_mode(), _autocast(autocast, model):
                 ref_logp, _ = token_logprobs(ref_net, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, prefix=ref_prefix)
-        old = batch.old_logprobs[batch.target_mask]
-        # Expert tokens (off-policy supervision) were not sampled: their "old" log-prob is the
-        # current policy's, taken before the update (ratio 1 at this step, as in paper A).
-        expert = (batch.sources == Source.EXPERT)[batch.target_mask]
-        if cfg.signals.hint.enabled and cfg.signals.hint.recompute_old_logprobs:
-            # A hinted row was sampled with the hint in context; its sampling log-probs are
-            # π(·|hint). The loss sees the hint-free context, so take "old" from π(·|no hint)
-            # (ratio 1 at this step, as verl's recomputed old log-probs give).
-            hinted = torch.tensor([any(x == Source.HINT for x in trajectories[i].sources) for i in idx])
-            expert = expert | hinted[:, None].expand_as(batch.target_mask)[batch.target_mask]
-        old = logp.detach() if old_from_policy else torch.where(expert, logp.detach(), old)
+        # Expert tokens (off-policy supervision) were not sampled, and the caller's rows were
+        # sampled by other weights or context: their "old" log-prob is the current policy's,
+        # taken before the update (ratio 1 at this step, as in paper A).
+        rows_from_policy = torch.tensor([old_from_policy is not None and bool(old_from_policy[i]) for i in idx])  # [B]
+        from_policy = (batch.sources == Source.EXPERT) | rows_from_policy[:, None]  # [B, T]
+        old = torch.where(from_policy[batch.target_mask], logp.detach(), batch.old_logprobs[batch.target_mask])
         adv = batch.advantages[batch.target_mask]
         seq_index = batch.target_mask.nonzero()[:, 0]
         lengths = batch.target_mask.sum(1).float()
@@ -193,7 +195,7 @@ def grpo_update(
         for kind, weight, examples in extra_losses:
             if not examples:
                 continue
-            value = supervision_backward(model, examples, pad_id, weight, g.micro_batch_size, cfg.model.autocast, cfg.model.max_tokens_per_micro_batch)
+            value = supervision_backward(model, examples, pad_id, weight, g.micro_batch_size, autocast, max_tokens)
             stats[{"sft": M.LOSS_SFT, "ets": M.LOSS_ETS, "reflection": M.LOSS_REFLECTION}[kind]] = value
             extra_total += weight * value
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g.max_grad_norm)
@@ -654,6 +656,7 @@ class Trainer:
         combined with token weights, and the trajectories are gathered so every rank computes
         the same metrics line and the detectors take the same decisions.
         """
+        from keel.signals.hints import is_hinted
         from keel.signals.ops import expert_members, group_with_experts, sampled_rows
         from keel.signals.reflection import collect_reflections, reflection_example
         from keel.signals.schedule import sample_examples
@@ -715,7 +718,14 @@ class Trainer:
                  for k in self.signals.schedule.kinds if self.signals.schedule.sync_weight(k) > 0]
         t1 = time.time()
         sink: list = []
-        old_from_policy = self.sampler is not self.model or cfg.model.autocast
+        # old log-probs from the policy: rows sampled by another copy of the weights (bf16 sampler,
+        # autocast), and hinted rows: sampled with the hint in context, trained without it
+        # (π(·|no hint), as verl's recomputed old log-probs give)
+        other_sampler = self.sampler is not self.model or cfg.model.autocast
+        hint_rule = s.hint.enabled and s.hint.recompute_old_logprobs
+        old_from_policy = [other_sampler or (hint_rule and is_hinted(tr)) for tr in members]
+        update_args = dict(telemetry_sink=sink, old_from_policy=old_from_policy, autocast=cfg.model.autocast,
+                           max_tokens=cfg.model.max_tokens_per_micro_batch)
         if ctx.enabled:
             n_local = loss_normaliser(members, adv, cfg.grpo.loss_aggregation, cfg.grpo.skip_zero_advantage)
             t_local = loss_normaliser(members, adv, "token-mean", cfg.grpo.skip_zero_advantage)
@@ -723,8 +733,8 @@ class Trainer:
             sync = GradientSync(self.opt, self.model.parameters(), ctx, cfg.grpo.max_grad_norm)
             self.opt.zero_grad(set_to_none=True)
             sync.begin(n_local / n_global if n_global else 0.0)
-            stats = grpo_update(self.model, self.ref_model, sync, members, adv, local_config(cfg), self.pad_id, cfg.rollout.temperature, sink,
-                                old_from_policy=old_from_policy)
+            stats = grpo_update(self.model, self.ref_model, sync, members, adv, local_config(cfg).grpo, self.pad_id, cfg.rollout.temperature,
+                                **update_args)
             stats.update(sync.commit())
             stats = reduce_stats(stats, n_local / n_global if n_global else 0.0, t_local / t_global if t_global else 0.0, ctx)
             if not t_global:  # nothing trained anywhere: the ratio is 1 by convention, as in one process
@@ -734,8 +744,8 @@ class Trainer:
             parts = gather_objects([x for x in sink if x[0] < len(local)], ctx)
             sink = [(i + r * len(local), ids, lp, rp, en) for r, part in enumerate(parts) for i, ids, lp, rp, en in part]
         else:
-            stats = grpo_update(self.model, self.ref_model, self.opt, members, adv, cfg, self.pad_id, cfg.rollout.temperature, sink,
-                                old_from_policy=old_from_policy, extra_losses=extra)
+            stats = grpo_update(self.model, self.ref_model, self.opt, members, adv, cfg.grpo, self.pad_id, cfg.rollout.temperature,
+                                extra_losses=extra, **update_args)
             sink = [x for x in sink if x[0] < len(trajs)]  # KL telemetry on sampled tokens, not gold ones
         self.sched.step()
         self.model.zero_grad(set_to_none=True)  # the rollout and evaluations that follow need no gradients
