@@ -88,7 +88,8 @@ def keel_step(model, ref, tok, env, tasks, args, seed: int) -> dict:
     release_free_memory()  # as the trainer does between its rollout and its update
     t1 = time.perf_counter()
     cfg.grpo.skip_zero_advantage = False  # TRL forwards every completion; so does Keel here
-    grpo_update(model, ref, opt, trajs, adv, cfg, tok.pad_token_id, 1.0, old_from_policy=args.bf16)
+    grpo_update(model, ref, opt, trajs, adv, cfg.grpo, tok.pad_token_id, 1.0, old_from_policy=[args.bf16] * len(trajs),
+                autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
     t2 = time.perf_counter()
     from keel.types import Source
 

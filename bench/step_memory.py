@@ -100,7 +100,7 @@ def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int 
     adv = group_advantages(rewards, torch.tensor(groups))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     t0 = time.perf_counter()
-    stats = grpo_update(model, ref, opt, trajs, adv, cfg, tok.pad_token_id, 1.0)
+    stats = grpo_update(model, ref, opt, trajs, adv, cfg.grpo, tok.pad_token_id, 1.0, max_tokens=cfg.model.max_tokens_per_micro_batch)
     out["update_s"] = time.perf_counter() - t0
     out["trained_members"] = stats[M.LOSS_TRAINED_MEMBERS]
     out["peak_rss_gb"] = _rss_gb()

@@ -110,7 +110,7 @@ def update_once(model, ref, trajs, adv, cfg, pad_id, autocast: bool) -> float:
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     t0 = time.perf_counter()
     with ctx:
-        stats = grpo_update(model, ref, opt, trajs, adv, cfg, pad_id, 1.0)
+        stats = grpo_update(model, ref, opt, trajs, adv, cfg.grpo, pad_id, 1.0, max_tokens=cfg.model.max_tokens_per_micro_batch)
     elapsed = time.perf_counter() - t0
     assert stats["loss/skipped_nonfinite"] == 0.0
     return elapsed

@@ -291,3 +291,34 @@ class LoRA:
         import copy
 
         return copy.deepcopy(self.peft_model).merge_and_unload()
+
+
+# --- the trainer's copies of the weights, and its optimizer -------------------------------------------
+
+
+def frozen_copy(model, dtype: torch.dtype | None = None):
+    """A copy of `model` in eval mode whose weights take no gradient (the KL reference, or the
+    sampler in another dtype)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    if dtype is not None:
+        out = out.to(dtype)
+    out.eval()
+    for q in out.parameters():
+        q.requires_grad_(False)
+    return out
+
+
+def copy_weights(dst, src) -> None:
+    """Copy `src`'s weights into `dst` (the sampler after an update); nothing when they are one model."""
+    if dst is not src:
+        with torch.no_grad():
+            for a, b in zip(dst.parameters(), src.parameters()):
+                a.copy_(b)
+
+
+def make_optimizer(model, lr: float, warmup: int, weight_decay: float, eps: float):
+    """(AdamW over the trainable weights, its scheduler: a linear warm-up over `warmup` steps, then constant)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, eps=eps)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)

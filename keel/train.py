@@ -17,22 +17,19 @@ equal are skipped when `grpo.skip_zero_advantage` (their policy-gradient term is
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
-from dataclasses import asdict, dataclass, field
 import math
-import os
 import random
 import resource
-import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
+from keel import checkpoint
 from keel import metrics as M
-from keel.config import Config, dump_yaml, get_key
+from keel.config import Config, GRPOConfig, dump_yaml, get_key
+from keel.diagnostics.step_metrics import PieceCache, rl_step_metrics
 from keel.distributed import (DistContext, GradientSync, all_reduce_sum, barrier, broadcast_object, gather_objects, init_distributed,
                               local_config, loss_normaliser, reduce_stats, row_seed, shard_groups)
 from keel.errors import UserError
@@ -40,11 +37,12 @@ from keel.evaluate import evaluate_model
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
 from keel.losses import aggregate, batch_advantages, batch_stats, clipped_surrogate, group_advantages, kl_estimate
 from keel.memory import release_free_memory, set_mmap_threshold
-from keel.models import DTYPES, LoRA, load_model, resolve_device
+from keel.models import DTYPES, LoRA, copy_weights, frozen_copy, load_model, make_optimizer, resolve_device
 from keel.rollout import SamplingParams, rollout
-from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, swap_dir, truncate_jsonl_lines, write_jsonl
+from keel.rundir import RunDirError, append_jsonl, atomic_write_json, atomic_write_text, write_jsonl
 from keel.sft import SFTExample, decompose, gold_trajectory
 from keel.signals.schedule import supervision_backward
+from keel.signals.state import SignalState
 from keel.templates import for_run
 from keel.types import Source, Trajectory
 
@@ -57,28 +55,6 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _lr_lambda(warmup: int):
-    return lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-
-
-class PieceCache:
-    """Decoded text of single token ids, cached (telemetry labels tokens by control tag)."""
-
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, ids: list[int]) -> list[str]:
-        out = []
-        for t in ids:
-            p = self.cache.get(t)
-            if p is None:
-                p = self.tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                self.cache[t] = p
-            out.append(p)
-        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,24 +99,31 @@ def grpo_update(
     optimizer,
     trajectories: list[Trajectory],
     advantages: torch.Tensor,
-    cfg: Config,
+    g: GRPOConfig,
     pad_id: int,
     temperature: float,
     telemetry_sink: list | None = None,
-    old_from_policy: bool = False,
+    old_from_policy: Sequence[bool] | None = None,
     extra_losses: list[tuple[str, float, list]] = (),
+    autocast: bool = False,
+    max_tokens: int = 0,
 ) -> dict[str, float]:
     """One optimizer step of the GRPO loss over the trajectories (gradient-accumulated).
 
-    Loss = aggregate(clipped surrogate) + kl_coef · aggregate(KL(policy || reference)), both
+    Loss = aggregate(clipped surrogate) + g.kl_coef · aggregate(KL(policy || reference)), both
     aggregated over policy (and expert) tokens with the batch-global normalisers, so micro-batch
-    size does not change the loss. Returns loss/kl/clip statistics.
-    `old_from_policy`: take every token's old log-prob from this policy before the update
-    (needed when rollouts were sampled by a lower-precision copy of the weights).
+    size does not change the loss. Returns loss/kl/clip statistics; kl/ and tokens/entropy here
+    are over every trained token (the metrics line takes those from the token telemetry).
+    A token's "old" log-prob is its sampling one, except where it is this policy's own, taken
+    before the update (ratio 1 at this step): expert tokens (off-policy gold, never sampled), and
+    every token of trajectory i when `old_from_policy[i]` (None: no trajectory) — the caller
+    marks rows sampled by a lower-precision copy of the weights or under autocast, and hinted
+    rows (keel.signals.hints) whose sampling log-probs were taken with the hint in context.
     `extra_losses`: (kind, weight, SFT examples) added to this same update — paper A's
     synchronous paradigm (gold SFT, ETS, reflection losses mixed into the RL step).
+    `autocast`: bf16 autocast for the forwards; `max_tokens`: cap on the positions one forward
+    encodes (`micro_batches`; 0: g.micro_batch_size rows only).
     """
-    g = cfg.grpo
     train_sources = (Source.POLICY, Source.EXPERT)
     members = [i for i in range(len(trajectories)) if not (g.skip_zero_advantage and float(advantages[i]) == 0.0)]
     stats = {M.LOSS_POLICY: 0.0, M.LOSS_KL: 0.0, M.LOSS_TOTAL: 0.0, M.KL_K1_MEAN: 0.0, M.KL_K3_MEAN: 0.0, M.KL_MEAN: 0.0,
@@ -155,10 +138,10 @@ def grpo_update(
     num_seqs = max(len(members), 1)
     sums = {"pg": 0.0, "kl": 0.0, "k1": 0.0, "k3": 0.0, "low": 0.0, "high": 0.0, "ratio": 0.0, "ent": 0.0}
     kept = [[trajectories[i].token_ids[k] for k in kept_positions(trajectories[i].sources)] for i in members]
-    parts = micro_batches(kept, g.micro_batch_size, cfg.model.max_tokens_per_micro_batch)
+    parts = micro_batches(kept, g.micro_batch_size, max_tokens)
     ref_net, ref_mode = _reference(ref_model, model)
     ref_prefix = None
-    with _autocast(cfg.model.autocast, model):
+    with _autocast(autocast, model):
         prefix = update_prefix(model, kept, parts)
         if ref_net is not None:  # the reference's own encoding of the same prefix, also once per update
             with torch.no_grad(), ref_mode():
@@ -166,25 +149,20 @@ def grpo_update(
     for part in parts:
         idx = [members[j] for j in part]
         batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
-        with _autocast(cfg.model.autocast, model):
+        with _autocast(autocast, model):
             logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True,
                                        prefix=prefix)
         if ref_net is None:
             ref_logp = logp.detach()
         else:
-            with torch.no_grad(), ref_mode(), _autocast(cfg.model.autocast, model):
+            with torch.no_grad(), ref_mode(), _autocast(autocast, model):
                 ref_logp, _ = token_logprobs(ref_net, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, prefix=ref_prefix)
-        old = batch.old_logprobs[batch.target_mask]
-        # Expert tokens (off-policy supervision) were not sampled: their "old" log-prob is the
-        # current policy's, taken before the update (ratio 1 at this step, as in paper A).
-        expert = (batch.sources == Source.EXPERT)[batch.target_mask]
-        if cfg.signals.hint.enabled and cfg.signals.hint.recompute_old_logprobs:
-            # A hinted row was sampled with the hint in context; its sampling log-probs are
-            # π(·|hint). The loss sees the hint-free context, so take "old" from π(·|no hint)
-            # (ratio 1 at this step, as verl's recomputed old log-probs give).
-            hinted = torch.tensor([any(x == Source.HINT for x in trajectories[i].sources) for i in idx])
-            expert = expert | hinted[:, None].expand_as(batch.target_mask)[batch.target_mask]
-        old = logp.detach() if old_from_policy else torch.where(expert, logp.detach(), old)
+        # Expert tokens (off-policy supervision) were not sampled, and the caller's rows were
+        # sampled by other weights or context: their "old" log-prob is the current policy's,
+        # taken before the update (ratio 1 at this step, as in paper A).
+        rows_from_policy = torch.tensor([old_from_policy is not None and bool(old_from_policy[i]) for i in idx])  # [B]
+        from_policy = (batch.sources == Source.EXPERT) | rows_from_policy[:, None]  # [B, T]
+        old = torch.where(from_policy[batch.target_mask], logp.detach(), batch.old_logprobs[batch.target_mask])
         adv = batch.advantages[batch.target_mask]
         seq_index = batch.target_mask.nonzero()[:, 0]
         lengths = batch.target_mask.sum(1).float()
@@ -217,7 +195,7 @@ def grpo_update(
         for kind, weight, examples in extra_losses:
             if not examples:
                 continue
-            value = supervision_backward(model, examples, pad_id, weight, g.micro_batch_size, cfg.model.autocast, cfg.model.max_tokens_per_micro_batch)
+            value = supervision_backward(model, examples, pad_id, weight, g.micro_batch_size, autocast, max_tokens)
             stats[{"sft": M.LOSS_SFT, "ets": M.LOSS_ETS, "reflection": M.LOSS_REFLECTION}[kind]] = value
             extra_total += weight * value
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g.max_grad_norm)
@@ -237,9 +215,6 @@ def grpo_update(
     return stats
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
 def advantages(rewards: torch.Tensor, groups: list[int], g, ctx) -> torch.Tensor:
     """This rank's advantages under `grpo.baseline`: centred on each group's mean (GRPO), or on
     the mean of the whole step's batch over every rank (`batch`, one all-reduce)."""
@@ -249,68 +224,9 @@ def advantages(rewards: torch.Tensor, groups: list[int], g, ctx) -> torch.Tensor
     return group_advantages(rewards, torch.tensor(groups, dtype=torch.long), g.scale_by_std)
 
 
-def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
-    """Write into a temp dir and swap it in: a kill mid-write leaves the previous one intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        model.save_pretrained(str(tmp), safe_serialization=True)
-        tokenizer.save_pretrained(str(tmp))
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        for name, obj in (extra or {}).items():
-            torch.save(obj, tmp / name)
-        atomic_write_json(tmp / "trainer_state.json", state)  # written last: its presence marks a complete checkpoint
-    except Exception as exc:  # a full disk: say so (safetensors and torch.save do not), free the partial copy
-        from keel.rundir import disk_full
-
-        full = disk_full(exc, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from None
-        raise
-    swap_dir(tmp, path)
-
-
-def complete_checkpoint(path: Path) -> Path | None:
-    """The usable checkpoint at `path`: itself if complete (trainer_state.json is written last),
-    else the `.old` copy a kill between swap_dir's two renames leaves behind (moved back)."""
-    if (path / "trainer_state.json").exists():
-        return path
-    old = path.with_name(path.name + ".old")
-    if (old / "trainer_state.json").exists():
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(old, path)
-        return path
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class Progress:
-    """Everything besides tensors that a resumed run needs to continue exactly (saved as JSON)."""
-
-    step: int = 0  # global step: SFT steps, then RL steps
-    phase: str = "start"  # start → sft → rl → done
-    sft_done: int = 0
-    rl_done: int = 0
-    sft_order: list[int] = field(default_factory=list)  # remaining example indices of the current SFT epoch
-    rl_order: list[int] = field(default_factory=list)  # remaining task indices of the current RL epoch
-    peak: dict[str, Any] = field(default_factory=lambda: {"step": None, M.EVAL_EM: -1.0})
-    last_eval: dict[str, float] | None = None
-    summary: dict[str, Any] = field(default_factory=dict)
-    metrics_lines: int = 0  # lines of metrics.jsonl / alerts.jsonl covered by this state
-    alerts_lines: int = 0
-    config_changes: dict[str, Any] = field(default_factory=dict)  # applied by rollback alerts
-    signals: dict[str, Any] = field(default_factory=dict)  # ETS buffer and hint-policy state
-
-
 class Interrupted:
     """SIGINT or SIGTERM (`kill`, `docker stop`, a scheduler's pre-emption) sets the flag; the
     loop finishes its step, checkpoints, writes summary.json and returns; the CLI then exits
@@ -478,66 +394,14 @@ class Trainer:
         self.pieces = PieceCache(self.tok)
         self.detectors = Detectors(cfg.detectors)
         self.freq_baseline = ControlFrequencyBaseline()
-        self.p = Progress(summary={"run_dir": str(run), "model": cfg.model.name, "n_train": len(self.train_tasks), "n_dev_eval": len(self.dev)})
+        self.p = checkpoint.Progress(summary={"run_dir": str(run), "model": cfg.model.name, "n_train": len(self.train_tasks), "n_dev_eval": len(self.dev)})
         self.sampler = self.model
         if cfg.rollout.dtype != cfg.model.dtype:
-            self.sampler = copy.deepcopy(self.model).to(DTYPES[cfg.rollout.dtype]).eval()
-            for q in self.sampler.parameters():
-                q.requires_grad_(False)
+            self.sampler = frozen_copy(self.model, DTYPES[cfg.rollout.dtype])
         self.ref_model = None
         self.opt = None
         self.sched = None
-        self.init_signals()
-
-    # ---- paper A's supervision signals (keel.signals) ---------------------------------------
-    def init_signals(self) -> None:
-        from keel.signals.ets import ETSBuffer
-        from keel.signals.hints import HintPolicy
-        from keel.signals.reflection import LLMAnalyzer, RuleAnalyzer
-        from keel.signals.schedule import Schedule
-
-        s = self.cfg.signals
-        self.schedule = Schedule.from_config(s, self.cfg.grpo.lr)
-        self.hint_policy = HintPolicy(self.env, s.hint.kinds, s.hint.position, s.hint.only_failed, s.hint.fail_at) if s.hint.enabled else None
-        self.ets = ETSBuffer(s.ets.window, s.ets.capacity, s.ets.fail_at) if s.ets.enabled else None
-        self.analyzer = None
-        if s.reflection.enabled:
-            self.analyzer = RuleAnalyzer(self.env) if s.reflection.analyzer == "rule" else LLMAnalyzer(
-                s.reflection.base_url, s.reflection.model, s.reflection.api_key or None, getattr(self.env, "call_format", "json"))
-        self.reflections: list[SFTExample] = []  # newest last, at most signals.reflection.pool
-        self.gold_cache: dict[str, Trajectory] = {}  # gold trajectories, built once per task
-        self._gold_examples: list[SFTExample] | None = None
-
-    def supervision_pool(self, kind: str) -> list[SFTExample]:
-        """The examples a supervision kind trains on now: gold SFT of all training tasks, the
-        ETS buffer's gold trajectories, or the reflection pool."""
-        from keel.signals.ops import expert_trajectory
-
-        if kind == "sft":
-            if self._gold_examples is None:
-                for t in self.train_tasks:
-                    if t.id not in self.gold_cache:
-                        self.gold_cache[t.id] = expert_trajectory(self.tok, self.env, t)
-                golds = [self.gold_cache[t.id] for t in self.train_tasks]
-                self._gold_examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=self.cfg.sft.packed)]
-            return self._gold_examples
-        if kind == "ets":
-            return self.ets.sft_examples(self.tok, self.env, self.tasks_by_id, packed=self.cfg.sft.packed)
-        return list(self.reflections)
-
-    def signals_state(self) -> dict[str, Any]:
-        out = {}
-        if self.ets is not None:
-            out["ets"] = self.ets.state_dict()
-        if self.hint_policy is not None:
-            out["hints"] = self.hint_policy.state_dict()
-        return out
-
-    def load_signals_state(self, state: dict[str, Any]) -> None:
-        if self.ets is not None and "ets" in state:
-            self.ets.load_state_dict(state["ets"])
-        if self.hint_policy is not None and "hints" in state:
-            self.hint_policy.load_state_dict(state["hints"])
+        self.signals = SignalState(cfg.signals, cfg.grpo.lr, self.env, self.tok, self.train_tasks, self.tasks_by_id, cfg.sft.packed)
 
     # ---- small services -------------------------------------------------------------------
     def log(self, line: dict[str, Any]) -> None:
@@ -559,16 +423,6 @@ class Trainer:
         except Exception as exc:
             print(f"[keel] warning: report not written: {type(exc).__name__}: {exc}", flush=True)
 
-    def sync_sampler(self) -> None:
-        if self.sampler is not self.model:
-            with torch.no_grad():
-                for ps, pm in zip(self.sampler.parameters(), self.model.parameters()):
-                    ps.copy_(pm)
-
-    def make_optimizer(self, lr: float, warmup: int, weight_decay: float = 0.0) -> None:
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay, eps=self.cfg.grpo.adam_eps)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(warmup))
-
     def make_reference(self) -> None:
         """The frozen reference: the policy as RL starts. Kept even at kl_coef 0, because the
         per-token KL telemetry (which tokens drift) reads it."""
@@ -576,9 +430,7 @@ class Trainer:
             self.lora.fold()
             self.ref_model = self.lora
             return
-        self.ref_model = copy.deepcopy(self.model).eval()
-        for q in self.ref_model.parameters():
-            q.requires_grad_(False)
+        self.ref_model = frozen_copy(self.model)
 
     def evaluate(self, label: str) -> dict[str, float]:
         """Greedy dev evaluation. Under several processes each rank takes a contiguous shard of
@@ -628,16 +480,6 @@ class Trainer:
         self.interrupted.flag = all_reduce_sum([float(self.interrupted.flag)], self.ctx)[0] > 0
         return self.interrupted.flag
 
-    def save_main(self, name: str, model, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
-        """checkpoints/<name>, written by rank 0; every rank waits until it is complete. A LoRA
-        policy is saved merged (a plain model for `keel eval`) plus its adapter weights."""
-        if self.ctx.is_main and self.lora is not None and model is self.model:
-            model = self.lora.merged_model()
-            extra = {**(extra or {}), "adapter.pt": self.lora.adapter_state()}
-        if self.ctx.is_main:
-            save_checkpoint(self.run_dir / "checkpoints" / name, model, self.tok, optimizer, state, extra)
-        barrier(self.ctx)
-
     def next_batch(self, order: list[int], n: int, pool: int) -> list[int]:
         """n indices from a shuffled epoch order, reshuffling when an epoch ends (order is Progress state)."""
         out = []
@@ -648,90 +490,17 @@ class Trainer:
             out.append(order.pop())
         return out
 
-    # ---- checkpoints ----------------------------------------------------------------------
-    def checkpoint(self) -> None:
-        """checkpoints/latest: weights, optimizer, scheduler, RNG states, detectors, progress."""
-        if not self.cfg.run.save_checkpoints:
-            return
-        p = self.p
-        p.signals = self.signals_state()
-        state = {
-            "progress": asdict(p),
-            "rng": _rng_to_json(self.rng.getstate()),
-            "detectors": self.detectors.state_dict(),
-            "freq_baseline": self.freq_baseline.state_dict(),
-            "scheduler": self.sched.state_dict() if self.sched is not None else None,
-            "step": p.step,
-        }
-        extra = {"torch_rng.pt": torch.get_rng_state(),
-                 "reflections.pt": [(e.token_ids, e.targets, e.task_id, e.turn) for e in self.reflections]}
-        self.save_main("latest", self.model, self.opt, state, extra)
-
-    def restore(self) -> None:
-        """Load checkpoints/latest and cut metrics/alerts back to what it covers."""
-        from safetensors.torch import load_file
-
-        from keel.config import set_key
-
-        ck = complete_checkpoint(self.run_dir / "checkpoints" / "latest")
-        state = json.loads((ck / "trainer_state.json").read_text())
-        self.p = Progress(**state["progress"])
-        for key, value in self.p.config_changes.items():
-            set_key(self.cfg, key, value)
-        if self.lora is not None:
-            self.lora.load_adapter_state(torch.load(ck / "adapter.pt"))
-        else:
-            self.model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
-        self.sync_sampler()
-        self.rng.setstate(_rng_from_json(state["rng"]))
-        torch.set_rng_state(torch.load(ck / "torch_rng.pt"))
-        self.detectors.load_state_dict(state["detectors"])
-        self.freq_baseline.load_state_dict(state["freq_baseline"])
-        self.load_signals_state(self.p.signals)
-        if (ck / "reflections.pt").exists():
-            self.reflections = [SFTExample(*r) for r in torch.load(ck / "reflections.pt")]
-        if self.p.phase in ("rl", "done"):
-            reference = load_file(str(self.run_dir / "checkpoints" / "reference" / "model.safetensors"))
-            if self.lora is not None:  # base weights = the SFT model folded at the RL start; adapters on top
-                self.lora.load_base_state(reference)
-                self.ref_model = self.lora
-                self.sync_sampler()
-            else:
-                self.make_reference()
-                self.ref_model.load_state_dict(reference, strict=False)
-            self.make_optimizer(self.cfg.grpo.lr, self.cfg.grpo.warmup_steps, self.cfg.grpo.weight_decay)
-        else:
-            self.make_optimizer(self.cfg.sft.lr, self.cfg.sft.warmup_steps)
-        if (ck / "optimizer.pt").exists():
-            self.opt.load_state_dict(torch.load(ck / "optimizer.pt"))
-        if state.get("scheduler"):
-            self.sched.load_state_dict(state["scheduler"])
-        if self.ctx.is_main:
-            truncate_jsonl_lines(self.run_dir / "metrics.jsonl", self.p.metrics_lines)
-            truncate_jsonl_lines(self.run_dir / "alerts.jsonl", self.p.alerts_lines)
-        barrier(self.ctx)
-        self.say(f"[keel] resumed {self.run_dir} at step {self.p.step} ({self.p.phase})")
-
-    def restart(self) -> None:
-        """Resume of a run killed before any complete checkpoint: nothing trained is lost, so run
-        again from step 0 (same config, same seed) over what the killed process left."""
-        if self.ctx.is_main:
-            for name in ("checkpoints", "samples", "eval"):
-                shutil.rmtree(self.run_dir / name, ignore_errors=True)
-            truncate_jsonl_lines(self.run_dir / "metrics.jsonl", 0)
-            truncate_jsonl_lines(self.run_dir / "alerts.jsonl", 0)
-        barrier(self.ctx)
-        self.say(f"[keel] {self.run_dir} has no complete checkpoint yet: starting it again from step 0")
-
     # ---- the loop -------------------------------------------------------------------------
     def run(self, resume: bool) -> dict[str, Any]:
         cfg, p = self.cfg, self.p
-        has_checkpoint = complete_checkpoint(self.run_dir / "checkpoints" / "latest") is not None if self.ctx.is_main else None
+        has_checkpoint = checkpoint.complete_checkpoint(self.run_dir / "checkpoints" / "latest") is not None if self.ctx.is_main else None
         if resume and broadcast_object(has_checkpoint, self.ctx):  # rank 0 decides (and mends a half-swapped one)
-            self.restore()
+            checkpoint.restore(self)
             p = self.p
+            self.say(f"[keel] resumed {self.run_dir} at step {p.step} ({p.phase})")
         elif resume:  # killed before its first checkpoint was complete: start over in the same directory
-            self.restart()
+            checkpoint.restart(self.run_dir, self.ctx)
+            self.say(f"[keel] {self.run_dir} has no complete checkpoint yet: starting it again from step 0")
         # 1. the untrained model
         if p.phase == "start":
             if cfg.eval.before_sft:
@@ -739,14 +508,14 @@ class Trainer:
                 p.summary["eval_before_sft"] = means
                 self.log({M.PHASE: "eval", **means})
             p.phase = "sft"
-            self.make_optimizer(cfg.sft.lr, cfg.sft.warmup_steps)
+            self.opt, self.sched = make_optimizer(self.model, cfg.sft.lr, cfg.sft.warmup_steps, 0.0, cfg.grpo.adam_eps)
         # 2. SFT warm-start on gold trajectories (paper A's single-step decomposition)
         if p.phase == "sft":
             if cfg.sft.enabled and cfg.sft.steps > 0 and not self.sft_phase():
                 return self.finish(interrupted=True)
             if cfg.sft.enabled and cfg.sft.steps > 0:
                 self.opt = self.sched = None  # SFT's AdamW state (2× the weights) is not needed by the eval; RL makes its own
-                self.sync_sampler()
+                copy_weights(self.sampler, self.model)
                 means = self.evaluate("after_sft")
                 p.summary["eval_after_sft"] = means
                 p.summary["eval_after_sft_step"] = p.step
@@ -754,9 +523,9 @@ class Trainer:
             p.phase = "rl"
             self.make_reference()
             if cfg.run.save_checkpoints:
-                self.save_main("reference", self.model if self.lora is not None else self.ref_model, None, {"step": p.step})
-            self.make_optimizer(cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo.weight_decay)
-            self.checkpoint()
+                checkpoint.save(self, "reference", self.model if self.lora is not None else self.ref_model, None, {"step": p.step})
+            self.opt, self.sched = make_optimizer(self.model, cfg.grpo.lr, cfg.grpo.warmup_steps, cfg.grpo.weight_decay, cfg.grpo.adam_eps)
+            checkpoint.save_latest(self)
             if self.interrupted_anywhere():  # a signal during the post-SFT eval: stop here, not after a whole RL step
                 return self.finish(interrupted=True)
         # 3. GRPO
@@ -802,7 +571,7 @@ class Trainer:
             bar.update(1)
             interrupted = self.interrupted_anywhere()
             if cfg.run.checkpoint_every and p.sft_done % cfg.run.checkpoint_every == 0 or interrupted:
-                self.checkpoint()
+                checkpoint.save_latest(self)
             if interrupted:
                 bar.close()
                 return False
@@ -841,14 +610,14 @@ class Trainer:
             p.step += 1
             p.rl_done += 1
             line, stop = self.rl_step(params)
-            phase = self.schedule.phase_after(p.rl_done)
+            phase = self.signals.schedule.phase_after(p.rl_done)
             if phase is not None and not stop:
                 self.supervision_phase(phase)  # every rank alike: same examples, same rng, same weights
             last = p.rl_done == cfg.grpo.steps
             interrupted = self.interrupted_anywhere()
             if cfg.run.save_checkpoints and (line.get(M.EVAL_EM) is not None or stop or interrupted or last
                                              or (cfg.run.checkpoint_every and p.rl_done % cfg.run.checkpoint_every == 0)):
-                self.checkpoint()
+                checkpoint.save_latest(self)
             if line.get(M.EVAL_EM) is not None:
                 self.refresh_report()
             bar.set_postfix(reward=f"{line[M.REWARD_MEAN]:.3f}", em=f"{p.last_eval[M.EVAL_EM]:.2f}" if p.last_eval else "-")
@@ -867,7 +636,7 @@ class Trainer:
         RL steps; each supervision step is one metrics line with phase "sft"."""
         from keel.signals.schedule import run_phase
 
-        examples = [e for k in phase.sources for e in self.supervision_pool(k)]
+        examples = [e for k in phase.sources for e in self.signals.supervision_pool(k)]
         if not examples:
             return
         opt = torch.optim.AdamW(self.model.parameters(), lr=phase.lr, weight_decay=0.0, eps=self.cfg.grpo.adam_eps)
@@ -877,7 +646,7 @@ class Trainer:
         for stats in lines:
             self.p.step += 1
             self.log({M.PHASE: "sft", **stats, M.SIGNAL_PHASE: phase.kind})
-        self.sync_sampler()
+        copy_weights(self.sampler, self.model)
 
     def rl_step(self, params: SamplingParams) -> tuple[dict[str, Any], bool]:
         """One GRPO step: rollout → rewards → advantages → update → telemetry → detectors.
@@ -887,9 +656,7 @@ class Trainer:
         combined with token weights, and the trajectories are gathered so every rank computes
         the same metrics line and the detectors take the same decisions.
         """
-        from keel.diagnostics.episode_metrics import episode_record, failure_metrics, tool_metrics
-        from keel.diagnostics.states import structural_shares
-        from keel.diagnostics.telemetry import control_tag_frequency
+        from keel.signals.hints import is_hinted
         from keel.signals.ops import expert_members, group_with_experts, sampled_rows
         from keel.signals.reflection import collect_reflections, reflection_example
         from keel.signals.schedule import sample_examples
@@ -909,8 +676,8 @@ class Trainer:
         # not depend on the rank or the batch it is in
         gens = [torch.Generator().manual_seed(row_seed(cfg.run.seed, p.rl_done, g, i - groups.index(g))) for i, g in zip(keep, local_groups)]
         hints = None
-        if self.hint_policy is not None:  # shown only while sampling; collate drops them for the loss
-            per_task = self.hint_policy.hints_for(batch_tasks)
+        if self.signals.hint_policy is not None:  # shown only while sampling; collate drops them for the loss
+            per_task = self.signals.hint_policy.hints_for(batch_tasks)
             hints = [per_task[g] for g in local_groups]
             signal_line[M.SIGNAL_HINTED_GROUPS] = sum(h is not None for h in per_task) / len(per_task)
         local = rollout(self.sampler, self.tok, self.env, local_rows, params, generator=gens, groups=local_groups, hints=hints,
@@ -925,42 +692,40 @@ class Trainer:
                 tr.info["reward_error"] = f"{type(exc).__name__}: {exc}"
             tr.reward, tr.reward_components = float(total), parts
         trajs = [t for part in gather_objects(local, ctx) for t in part] if ctx.enabled else local  # all rows, in row order
-        comps: dict[str, list[float]] = {}
-        for tr in trajs:
-            for k, v in tr.reward_components.items():
-                comps.setdefault(k, []).append(float(v))
-        rewards = torch.tensor([tr.reward for tr in trajs])
         group_rewards = [[tr.reward for tr, g in zip(trajs, groups) if g == k] for k in range(len(batch_tasks))]
         task_ids = [t.id for t in batch_tasks]
-        if self.hint_policy is not None:
-            self.hint_policy.observe(task_ids, group_rewards)
-        if self.ets is not None:  # ETS: queries whose whole group failed enter the buffer
-            self.ets.observe(p.rl_done, task_ids, group_rewards)
-            signal_line[M.SIGNAL_ETS_BUFFER] = float(len(self.ets))
+        if self.signals.hint_policy is not None:
+            self.signals.hint_policy.observe(task_ids, group_rewards)
+        if self.signals.ets is not None:  # ETS: queries whose whole group failed enter the buffer
+            self.signals.ets.observe(p.rl_done, task_ids, group_rewards)
+            signal_line[M.SIGNAL_ETS_BUFFER] = float(len(self.signals.ets))
         local_rewards = torch.tensor([tr.reward for tr in local])
         members = local
         if s.ops.enabled:  # OPS: gold members join the group; advantages over both kinds (Eq. 4)
-            experts = [e for k in mine for e in expert_members(self.tok, self.env, batch_tasks[k], s.ops.members, group=k, cache=self.gold_cache)]
+            experts = [e for k in mine for e in expert_members(self.tok, self.env, batch_tasks[k], s.ops.members, group=k, cache=self.signals.gold_cache)]
             expert_rewards = [self.reward_fn(e, batch_tasks[e.group])[0] for e in experts]
             mixed_groups = group_with_experts(local, local_rewards, experts, expert_rewards, local_groups, cfg.grpo.scale_by_std)
             members, adv = mixed_groups.trajectories, mixed_groups.advantages
             signal_line[M.SIGNAL_OPS_MEMBERS] = all_reduce_sum([len(experts)], ctx)[0]
         else:
             adv = advantages(local_rewards, local_groups, cfg.grpo, ctx)
-        if self.analyzer is not None:  # PRS (one process only): reflections on failed episodes join the pool
-            got, errors = collect_reflections(self.analyzer, self.rng.sample(trajs, len(trajs)), self.tasks_by_id,
+        if self.signals.analyzer is not None:  # PRS (one process only): reflections on failed episodes join the pool
+            got, errors = collect_reflections(self.signals.analyzer, self.rng.sample(trajs, len(trajs)), self.tasks_by_id,
                                               s.reflection.fail_at, s.reflection.per_step)
-            for tr, r in got:
-                ex = reflection_example(self.tok, tr, r.text, s.reflection.max_tokens)
-                if ex is not None:
-                    self.reflections.append(ex)
-            del self.reflections[: -s.reflection.pool]
+            self.signals.add_reflections([reflection_example(self.tok, tr, r.text, s.reflection.max_tokens) for tr, r in got], s.reflection.pool)
             signal_line.update({M.SIGNAL_REFLECTIONS: float(len(got)), M.SIGNAL_REFLECTION_ERRORS: float(errors)})
-        extra = [(k, self.schedule.sync_weight(k), sample_examples(self.supervision_pool(k), s.sync_examples, self.rng))
-                 for k in self.schedule.kinds if self.schedule.sync_weight(k) > 0]
+        extra = [(k, self.signals.schedule.sync_weight(k), sample_examples(self.signals.supervision_pool(k), s.sync_examples, self.rng))
+                 for k in self.signals.schedule.kinds if self.signals.schedule.sync_weight(k) > 0]
         t1 = time.time()
         sink: list = []
-        old_from_policy = self.sampler is not self.model or cfg.model.autocast
+        # old log-probs from the policy: rows sampled by another copy of the weights (bf16 sampler,
+        # autocast), and hinted rows: sampled with the hint in context, trained without it
+        # (π(·|no hint), as verl's recomputed old log-probs give)
+        other_sampler = self.sampler is not self.model or cfg.model.autocast
+        hint_rule = s.hint.enabled and s.hint.recompute_old_logprobs
+        old_from_policy = [other_sampler or (hint_rule and is_hinted(tr)) for tr in members]
+        update_args = dict(telemetry_sink=sink, old_from_policy=old_from_policy, autocast=cfg.model.autocast,
+                           max_tokens=cfg.model.max_tokens_per_micro_batch)
         if ctx.enabled:
             n_local = loss_normaliser(members, adv, cfg.grpo.loss_aggregation, cfg.grpo.skip_zero_advantage)
             t_local = loss_normaliser(members, adv, "token-mean", cfg.grpo.skip_zero_advantage)
@@ -968,8 +733,8 @@ class Trainer:
             sync = GradientSync(self.opt, self.model.parameters(), ctx, cfg.grpo.max_grad_norm)
             self.opt.zero_grad(set_to_none=True)
             sync.begin(n_local / n_global if n_global else 0.0)
-            stats = grpo_update(self.model, self.ref_model, sync, members, adv, local_config(cfg), self.pad_id, cfg.rollout.temperature, sink,
-                                old_from_policy=old_from_policy)
+            stats = grpo_update(self.model, self.ref_model, sync, members, adv, local_config(cfg).grpo, self.pad_id, cfg.rollout.temperature,
+                                **update_args)
             stats.update(sync.commit())
             stats = reduce_stats(stats, n_local / n_global if n_global else 0.0, t_local / t_global if t_global else 0.0, ctx)
             if not t_global:  # nothing trained anywhere: the ratio is 1 by convention, as in one process
@@ -979,48 +744,24 @@ class Trainer:
             parts = gather_objects([x for x in sink if x[0] < len(local)], ctx)
             sink = [(i + r * len(local), ids, lp, rp, en) for r, part in enumerate(parts) for i, ids, lp, rp, en in part]
         else:
-            stats = grpo_update(self.model, self.ref_model, self.opt, members, adv, cfg, self.pad_id, cfg.rollout.temperature, sink,
-                                old_from_policy=old_from_policy, extra_losses=extra)
+            stats = grpo_update(self.model, self.ref_model, self.opt, members, adv, cfg.grpo, self.pad_id, cfg.rollout.temperature,
+                                extra_losses=extra, **update_args)
             sink = [x for x in sink if x[0] < len(trajs)]  # KL telemetry on sampled tokens, not gold ones
         self.sched.step()
         self.model.zero_grad(set_to_none=True)  # the rollout and evaluations that follow need no gradients
-        self.sync_sampler()
+        copy_weights(self.sampler, self.model)
         t_update = time.time() - t1
-        n_policy = sum(tr.num_policy_tokens for tr in trajs)
-        mixed = sum(1 for k in range(len(batch_tasks)) if rewards[[g == k for g in groups]].std() > 0) / len(batch_tasks)
-        line: dict[str, Any] = {
-            M.PHASE: "rl",
-            M.REWARD_MEAN: float(rewards.mean()),
-            M.REWARD_STD: float(rewards.std()) if len(rewards) > 1 else 0.0,
-            M.REWARD_MIXED_GROUPS: mixed,
-            **{M.REWARD_COMPONENT_PREFIX + k: sum(v) / len(v) for k, v in comps.items()},
-            **stats,
-            M.ROLLOUT_POLICY_TOKENS: float(n_policy),
-            M.ROLLOUT_TOKENS_PER_S: n_policy / max(t_rollout, 1e-9),
-            M.ROLLOUT_MEAN_TURNS: sum(len(tr.turn_spans) for tr in trajs) / len(trajs),
-            M.ROLLOUT_TRUNCATED: sum(tr.truncated for tr in trajs) / len(trajs),
-            M.TIME_ROLLOUT: t_rollout,
-            M.TIME_UPDATE: t_update,
-            M.OPTIM_LR: self.sched.get_last_lr()[0],
-        }
-        line.update(signal_line)
-        line.update(_telemetry(sink, self.pieces))
-        records = [episode_record(tr, task) for tr, task in zip(trajs, rows)]
-        line.update(tool_metrics(records))
-        line.update(failure_metrics(records))
         # the structural states read <tool_call> blocks: a healthy Llama-3.1 bare-JSON call would count as full collapse
-        if self.chat is None or self.chat.family == "hermes":
-            line.update(structural_shares(trajs))
-        freqs = control_tag_frequency([self.pieces([t for t, s in zip(tr.token_ids, tr.sources) if s == Source.POLICY]) for tr in trajs])
-        self.freq_baseline.record(freqs)  # first RL step: the policy equals the reference model
-        line.update(self.freq_baseline.metrics(freqs))
+        line = rl_step_metrics(trajs, rows, groups, len(batch_tasks), stats, signal_line, sink, self.pieces, self.freq_baseline,
+                               structural=self.chat is None or self.chat.family == "hermes", lr=self.sched.get_last_lr()[0],
+                               t_rollout=t_rollout, t_update=t_update)
         if p.rl_done % cfg.eval.every == 0 or p.rl_done == cfg.grpo.steps:
             p.last_eval = self.evaluate(f"rl_step_{p.rl_done}")
             line.update(p.last_eval)
             if p.last_eval[M.EVAL_EM] > p.peak[M.EVAL_EM]:
                 p.peak = {"step": p.step, **p.last_eval}
                 if cfg.run.save_checkpoints:
-                    self.save_main("peak", self.model, None, {"step": p.step, "eval": p.last_eval})
+                    checkpoint.save(self, "peak", self.model, None, {"step": p.step, "eval": p.last_eval})
         line[M.TIME_STEP] = time.time() - t0
         stop = self.handle_alerts(line)
         self.log(line)
@@ -1033,11 +774,9 @@ class Trainer:
         for alert in alerts:
             record = alert.to_dict()
             if alert.action == "rollback":
-                record["rolled_back_to"] = _rollback(self.model, self.run_dir, self.cfg, alert.on_rollback, self.lora)
+                record["rolled_back_to"] = checkpoint.rollback(self, alert.on_rollback)  # peak weights, new config, new optimizer
                 if record["rolled_back_to"] is not None:
-                    self.sync_sampler()
                     line[M.ALERT_ROLLBACK] = 1.0
-                    self.make_optimizer(self.cfg.grpo.lr, 0, self.cfg.grpo.weight_decay)
                     record["config_now"] = {k: get_key(self.cfg, k) for k in alert.on_rollback}
                     self.p.config_changes.update(record["config_now"])
             elif alert.action == "stop":
@@ -1095,54 +834,3 @@ class Trainer:
             return None
         return {M.RL_LIFT_EM: lift["lift"], M.RL_LIFT_P_VALUE: lift["p_value"], M.RL_LIFT_N: lift["n"], M.RL_LIFT_GAINED: lift["gained"],
                 M.RL_LIFT_LOST: lift["lost"], M.RL_LIFT_EM_AFTER_SFT: lift["before"], M.RL_LIFT_EM_FINAL: lift["after"]}
-
-
-def _rng_to_json(state) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _rng_from_json(state) -> tuple:
-    version, internal, gauss = state
-    return (version, tuple(internal), gauss)
-
-
-def _rollback(model, run: Path, cfg: Config, overrides: dict[str, str], lora: LoRA | None = None) -> int | None:
-    """Load the `peak` checkpoint's weights and apply the alert's config changes ("x5" multiplies).
-
-    Returns the peak's step, or None when there is no peak yet (the alert is then only logged).
-    """
-    from safetensors.torch import load_file
-
-    from keel.config import set_key
-
-    peak = run / "checkpoints" / "peak"
-    if not (peak / "model.safetensors").exists():
-        return None
-    if lora is not None:
-        lora.load_adapter_state(torch.load(peak / "adapter.pt"))
-    else:
-        model.load_state_dict(load_file(str(peak / "model.safetensors")), strict=False)  # tied lm_head is not stored separately
-    for key, value in overrides.items():
-        current = get_key(cfg, key)
-        if isinstance(value, str) and value.startswith("x") and isinstance(current, (int, float)):
-            set_key(cfg, key, float(current) * float(value[1:]))
-        else:
-            import yaml
-
-            set_key(cfg, key, yaml.safe_load(value) if isinstance(value, str) else value)
-    return int(json.loads((peak / "trainer_state.json").read_text())["step"])
-
-
-def _telemetry(sink: list, pieces: PieceCache) -> dict[str, float]:
-    """Control-tag KL telemetry of the trained tokens (see keel.diagnostics.telemetry)."""
-    if not sink:
-        return {}
-    from keel.chat import token_tag_labels
-    from keel.diagnostics.telemetry import token_telemetry
-
-    sink.sort(key=lambda x: x[0])
-    tok_pieces = [pieces(ids) for _, ids, _, _, _ in sink]
-    labels = [token_tag_labels(p) for p in tok_pieces]
-    metrics, _top = token_telemetry([x[2] for x in sink], [x[3] for x in sink], [x[4] for x in sink], labels, tok_pieces)
-    return metrics

@@ -29,7 +29,7 @@ def _grads_after(model, trajs, adv, cfg, pad):
     m = copy.deepcopy(model)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)  # lr 0: keep weights, inspect gradients
-    stats = grpo_update(m, ref, opt, trajs, adv, cfg, pad, 1.0)
+    stats = grpo_update(m, ref, opt, trajs, adv, cfg.grpo, pad, 1.0, max_tokens=cfg.model.max_tokens_per_micro_batch)
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, stats
 
 
@@ -80,7 +80,8 @@ def test_reference_prefix_shared_across_micro_batches(tiny):
         cfg.grpo.kl_coef, cfg.grpo.max_grad_norm = 1.0, 1e9
         cfg.model.max_tokens_per_micro_batch = tokens
         m = copy.deepcopy(model)
-        stats = grpo_update(m, ref, torch.optim.SGD(m.parameters(), lr=0.0), trajs, adv, cfg, tok.pad_token_id, 1.0)
+        stats = grpo_update(m, ref, torch.optim.SGD(m.parameters(), lr=0.0), trajs, adv, cfg.grpo, tok.pad_token_id, 1.0,
+                            max_tokens=cfg.model.max_tokens_per_micro_batch)
         results.append((stats, {n: q.grad.clone() for n, q in m.named_parameters() if q.grad is not None}))
     (sa, ga), (sb, gb) = results
     assert sa["kl/k1_mean"] > 1e-3  # the reference really differs
@@ -107,7 +108,7 @@ def test_update_increases_the_advantage_weighted_likelihood(tiny):
         return (lp * b.advantages[b.target_mask]).sum().item()
 
     before = objective()
-    stats = grpo_update(m, None, torch.optim.SGD(m.parameters(), lr=1e-3), trajs, adv, cfg, tok.pad_token_id, 1.0)
+    stats = grpo_update(m, None, torch.optim.SGD(m.parameters(), lr=1e-3), trajs, adv, cfg.grpo, tok.pad_token_id, 1.0)
     assert stats["loss/trained_members"] == 8.0 and stats["loss/skipped_nonfinite"] == 0.0
     assert objective() > before
 
@@ -120,7 +121,7 @@ def test_nonfinite_loss_skips_the_update(tiny):
     adv = adv.clone()
     adv[0] = float("nan")
     cfg = Config()
-    stats = grpo_update(m, copy.deepcopy(model), torch.optim.AdamW(m.parameters(), lr=1e-2), trajs, adv, cfg, tok.pad_token_id, 1.0)
+    stats = grpo_update(m, copy.deepcopy(model), torch.optim.AdamW(m.parameters(), lr=1e-2), trajs, adv, cfg.grpo, tok.pad_token_id, 1.0)
     assert stats["loss/skipped_nonfinite"] == 1.0
     for n, p in m.named_parameters():
         assert torch.equal(p, before[n])
@@ -130,5 +131,5 @@ def test_uniform_groups_are_skipped(tiny):
     model, tok = tiny
     trajs, _ = _batch(tiny)
     adv = torch.zeros(8)
-    stats = grpo_update(copy.deepcopy(model), None, torch.optim.SGD(model.parameters(), lr=0.1), trajs, adv, Config(), tok.pad_token_id, 1.0)
+    stats = grpo_update(copy.deepcopy(model), None, torch.optim.SGD(model.parameters(), lr=0.1), trajs, adv, Config().grpo, tok.pad_token_id, 1.0)
     assert stats["loss/trained_members"] == 0.0 and stats["loss/total"] == 0.0

@@ -70,10 +70,10 @@ def test_synchronous_weight_zero_equals_pure_grpo_update(tiny):
     for extra in ([], [("sft", 0.0, examples)]):
         m = copy.deepcopy(model)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        grpo_update(m, copy.deepcopy(model), opt, trajs, adv, Config(), tok.pad_token_id, 1.0, extra_losses=extra)
+        grpo_update(m, copy.deepcopy(model), opt, trajs, adv, Config().grpo, tok.pad_token_id, 1.0, extra_losses=extra)
         results.append({k: v.clone() for k, v in m.state_dict().items()})
     assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])
     # and a positive weight does change the step
     m = copy.deepcopy(model)
-    grpo_update(m, copy.deepcopy(model), torch.optim.AdamW(m.parameters(), lr=1e-3), trajs, adv, Config(), tok.pad_token_id, 1.0, extra_losses=[("sft", 1.0, examples)])
+    grpo_update(m, copy.deepcopy(model), torch.optim.AdamW(m.parameters(), lr=1e-3), trajs, adv, Config().grpo, tok.pad_token_id, 1.0, extra_losses=[("sft", 1.0, examples)])
     assert any(not torch.equal(results[0][k], v) for k, v in m.state_dict().items())

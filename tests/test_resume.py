@@ -65,7 +65,7 @@ _WRITER = r"""
 import sys, torch
 from pathlib import Path
 from keel.models import load_model
-from keel.train import save_checkpoint
+from keel.checkpoint import save_checkpoint
 model, tok = load_model("tiny", seed=int(sys.argv[2]))
 print("ready", flush=True)
 for i in range(1000):
@@ -77,7 +77,7 @@ def test_kill_during_checkpoint_write_leaves_a_loadable_checkpoint(tmp_path):
     from safetensors.torch import load_file
 
     from keel.models import load_model
-    from keel.train import complete_checkpoint, save_checkpoint
+    from keel.checkpoint import complete_checkpoint, save_checkpoint
 
     model, tok = load_model("tiny", seed=0)
     path = tmp_path / "checkpoints" / "latest"

@@ -68,7 +68,7 @@ def rl_step_with_signals(model, tok, env, batch_tasks, cfg, signals, state, rl_s
     from keel.train import grpo_update
 
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo.lr)
-    stats = grpo_update(model, None, opt, members, adv, cfg, tok.pad_token_id, 1.0)
+    stats = grpo_update(model, None, opt, members, adv, cfg.grpo, tok.pad_token_id, 1.0)
     return trajs, members, adv, stats
 
 

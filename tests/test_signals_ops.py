@@ -162,6 +162,6 @@ def test_ops_update_raises_the_gold_turns_log_prob(tiny):
     cfg.grpo.lr, cfg.grpo.kl_coef = 1e-3, 0.0
     before = expert_logprob()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.grpo.lr)
-    stats = grpo_update(model, None, opt, mixed.trajectories, mixed.advantages, cfg, tok.pad_token_id, 1.0)
+    stats = grpo_update(model, None, opt, mixed.trajectories, mixed.advantages, cfg.grpo, tok.pad_token_id, 1.0)
     assert stats["loss/trained_members"] == 4.0
     assert expert_logprob() > before + 1.0

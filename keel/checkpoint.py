@@ -1,0 +1,220 @@
+"""Checkpoints, resume and rollback: what a run writes so that `keel train --resume` continues it
+exactly, and what a rollback alert loads.
+
+    checkpoints/latest     policy weights, optimizer, scheduler, RNG states, detectors, the
+                           signals' state, Progress (every `run.checkpoint_every` steps, at eval
+                           steps, on a stop or an interrupt, at the end)
+    checkpoints/reference  the KL reference: the policy as RL starts (once)
+    checkpoints/peak       the policy at the best dev EM so far (what a rollback alert loads)
+
+Each is written into a temp directory and swapped in; trainer_state.json is written last, so its
+presence marks a complete checkpoint. A LoRA policy is saved merged (a plain model for `keel
+eval`) plus its adapter weights (what resume and rollback load).
+
+`save_latest`, `restore` and `rollback` take the run's state `r`, an object with the attributes
+cfg, run_dir, ctx, model, tok, lora, sampler, ref_model, opt, sched, p (Progress), rng,
+detectors, freq_baseline and signals (keel.signals.state.SignalState).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from keel import metrics as M
+from keel.config import get_key, set_key
+from keel.distributed import DistContext, barrier
+from keel.models import copy_weights, frozen_copy, make_optimizer
+from keel.rundir import atomic_write_json, swap_dir, truncate_jsonl_lines
+
+
+@dataclass
+class Progress:
+    """Everything besides tensors that a resumed run needs to continue exactly (saved as JSON)."""
+
+    step: int = 0  # global step: SFT steps, then RL steps
+    phase: str = "start"  # start → sft → rl → done
+    sft_done: int = 0
+    rl_done: int = 0
+    sft_order: list[int] = field(default_factory=list)  # remaining example indices of the current SFT epoch
+    rl_order: list[int] = field(default_factory=list)  # remaining task indices of the current RL epoch
+    peak: dict[str, Any] = field(default_factory=lambda: {"step": None, M.EVAL_EM: -1.0})
+    last_eval: dict[str, float] | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+    metrics_lines: int = 0  # lines of metrics.jsonl / alerts.jsonl covered by this state
+    alerts_lines: int = 0
+    config_changes: dict[str, Any] = field(default_factory=dict)  # applied by rollback alerts
+    signals: dict[str, Any] = field(default_factory=dict)  # ETS buffer and hint-policy state
+
+
+def save_checkpoint(path: Path, model, tokenizer, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+    """Write into a temp dir and swap it in: a kill mid-write leaves the previous one intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        for name, obj in (extra or {}).items():
+            torch.save(obj, tmp / name)
+        atomic_write_json(tmp / "trainer_state.json", state)  # written last: its presence marks a complete checkpoint
+    except Exception as exc:  # a full disk: say so (safetensors and torch.save do not), free the partial copy
+        from keel.rundir import disk_full
+
+        full = disk_full(exc, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from None
+        raise
+    swap_dir(tmp, path)
+
+
+def complete_checkpoint(path: Path) -> Path | None:
+    """The usable checkpoint at `path`: itself if complete (trainer_state.json is written last),
+    else the `.old` copy a kill between swap_dir's two renames leaves behind (moved back)."""
+    if (path / "trainer_state.json").exists():
+        return path
+    old = path.with_name(path.name + ".old")
+    if (old / "trainer_state.json").exists():
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(old, path)
+        return path
+    return None
+
+
+def save(r, name: str, model, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+    """checkpoints/<name>, written by rank 0; every rank waits until it is complete. A LoRA
+    policy is saved merged (a plain model for `keel eval`) plus its adapter weights."""
+    if r.ctx.is_main and r.lora is not None and model is r.model:
+        model = r.lora.merged_model()
+        extra = {**(extra or {}), "adapter.pt": r.lora.adapter_state()}
+    if r.ctx.is_main:
+        save_checkpoint(r.run_dir / "checkpoints" / name, model, r.tok, optimizer, state, extra)
+    barrier(r.ctx)
+
+
+def save_latest(r) -> None:
+    """checkpoints/latest: weights, optimizer, scheduler, RNG states, detectors, signals, progress."""
+    if not r.cfg.run.save_checkpoints:
+        return
+    p = r.p
+    signals = r.signals.state_dict()
+    p.signals = {k: v for k, v in signals.items() if k != "reflections"}  # the reflection pool goes to reflections.pt
+    state = {
+        "progress": asdict(p),
+        "rng": _rng_to_json(r.rng.getstate()),
+        "detectors": r.detectors.state_dict(),
+        "freq_baseline": r.freq_baseline.state_dict(),
+        "scheduler": r.sched.state_dict() if r.sched is not None else None,
+        "step": p.step,
+    }
+    extra = {"torch_rng.pt": torch.get_rng_state(), "reflections.pt": signals["reflections"]}
+    save(r, "latest", r.model, r.opt, state, extra)
+
+
+def restore(r) -> None:
+    """Load checkpoints/latest into `r` (a fresh run's objects) and cut metrics/alerts back to
+    what it covers. The reference and the optimizer of the phase it was in are rebuilt."""
+    from safetensors.torch import load_file
+
+    ck = complete_checkpoint(r.run_dir / "checkpoints" / "latest")
+    state = json.loads((ck / "trainer_state.json").read_text())
+    r.p = Progress(**state["progress"])
+    for key, value in r.p.config_changes.items():
+        set_key(r.cfg, key, value)
+    if r.lora is not None:
+        r.lora.load_adapter_state(torch.load(ck / "adapter.pt"))
+    else:
+        r.model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
+    r.rng.setstate(_rng_from_json(state["rng"]))
+    torch.set_rng_state(torch.load(ck / "torch_rng.pt"))
+    r.detectors.load_state_dict(state["detectors"])
+    r.freq_baseline.load_state_dict(state["freq_baseline"])
+    signals = dict(r.p.signals)
+    if (ck / "reflections.pt").exists():
+        signals["reflections"] = torch.load(ck / "reflections.pt")
+    r.signals.load_state_dict(signals)
+    g = r.cfg.grpo
+    if r.p.phase in ("rl", "done"):
+        reference = load_file(str(r.run_dir / "checkpoints" / "reference" / "model.safetensors"))
+        if r.lora is not None:  # base weights = the SFT model folded at the RL start; adapters on top
+            r.lora.load_base_state(reference)
+            r.ref_model = r.lora
+        else:
+            r.ref_model = frozen_copy(r.model)
+            r.ref_model.load_state_dict(reference, strict=False)
+        r.opt, r.sched = make_optimizer(r.model, g.lr, g.warmup_steps, g.weight_decay, g.adam_eps)
+    else:
+        r.opt, r.sched = make_optimizer(r.model, r.cfg.sft.lr, r.cfg.sft.warmup_steps, 0.0, g.adam_eps)
+    copy_weights(r.sampler, r.model)
+    if (ck / "optimizer.pt").exists():
+        r.opt.load_state_dict(torch.load(ck / "optimizer.pt"))
+    if state.get("scheduler"):
+        r.sched.load_state_dict(state["scheduler"])
+    if r.ctx.is_main:
+        truncate_jsonl_lines(r.run_dir / "metrics.jsonl", r.p.metrics_lines)
+        truncate_jsonl_lines(r.run_dir / "alerts.jsonl", r.p.alerts_lines)
+    barrier(r.ctx)
+
+
+def restart(run_dir: Path, ctx: DistContext) -> None:
+    """Resume of a run killed before any complete checkpoint: nothing trained is lost, so the
+    run starts again from step 0 (same config, same seed) over what the killed process left."""
+    if ctx.is_main:
+        for name in ("checkpoints", "samples", "eval"):
+            shutil.rmtree(run_dir / name, ignore_errors=True)
+        truncate_jsonl_lines(run_dir / "metrics.jsonl", 0)
+        truncate_jsonl_lines(run_dir / "alerts.jsonl", 0)
+    barrier(ctx)
+
+
+def rollback(r, overrides: dict[str, str]) -> int | None:
+    """Load the `peak` checkpoint's weights, apply the alert's config changes ("x5" multiplies)
+    and start a fresh optimizer (no warm-up) for RL from there.
+
+    Returns the peak's step, or None when there is no peak yet (nothing changes; the alert is
+    then only logged).
+    """
+    from safetensors.torch import load_file
+
+    peak = r.run_dir / "checkpoints" / "peak"
+    if not (peak / "model.safetensors").exists():
+        return None
+    if r.lora is not None:
+        r.lora.load_adapter_state(torch.load(peak / "adapter.pt"))
+    else:
+        r.model.load_state_dict(load_file(str(peak / "model.safetensors")), strict=False)  # tied lm_head is not stored separately
+    for key, value in overrides.items():
+        current = get_key(r.cfg, key)
+        if isinstance(value, str) and value.startswith("x") and isinstance(current, (int, float)):
+            set_key(r.cfg, key, float(current) * float(value[1:]))
+        else:
+            import yaml
+
+            set_key(r.cfg, key, yaml.safe_load(value) if isinstance(value, str) else value)
+    step = int(json.loads((peak / "trainer_state.json").read_text())["step"])
+    copy_weights(r.sampler, r.model)
+    g = r.cfg.grpo
+    r.opt, r.sched = make_optimizer(r.model, g.lr, 0, g.weight_decay, g.adam_eps)
+    return step
+
+
+def _rng_to_json(state) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _rng_from_json(state) -> tuple:
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
