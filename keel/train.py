@@ -384,15 +384,11 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     combined with token weights, and the trajectories are gathered so every rank computes
     the same metrics line and the detectors take the same decisions.
     """
-    from keel.signals.hints import is_hinted
     from keel.signals.ops import expert_members, group_with_experts, sampled_rows
-    from keel.signals.reflection import collect_reflections, reflection_example
-    from keel.signals.schedule import sample_examples
 
     cfg, p, ctx, signals = run.cfg, run.progress, run.ctx, run.signals
     s, g = cfg.signals, cfg.grpo
     t0 = time.time()
-    signal_line: dict[str, Any] = {}
     batch_tasks = [run.train_tasks[i] for i in next_batch(run, p.rl_order, cfg.rollout.prompts_per_step, len(run.train_tasks))]
     # OPS "replace" (the authors' replace_num=1): the gold trajectory takes one slot of each group
     n_replace = s.ops.members if s.ops.enabled and s.ops.mode == "replace" else 0
@@ -403,11 +399,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     # one generator per row, seeded by (seed, step, group, member): what a row samples does
     # not depend on the rank or the batch it is in
     gens = [torch.Generator().manual_seed(row_seed(cfg.run.seed, p.rl_done, k, i - groups.index(k))) for i, k in zip(keep, local_groups)]
-    hints = None
-    if signals.hint_policy is not None:  # shown only while sampling; collate drops them for the loss
-        per_task = signals.hint_policy.hints_for(batch_tasks)
-        hints = [per_task[k] for k in local_groups]
-        signal_line[M.SIGNAL_HINTED_GROUPS] = sum(h is not None for h in per_task) / len(per_task)
+    hints, signal_line = signals.hints(batch_tasks, local_groups)
     local = rollout(run.sampler, run.tok, run.env, local_rows, params, generator=gens, groups=local_groups, hints=hints,
                     hint_position=s.hint.position, chat=run.chat)
     t_rollout = time.time() - t0
@@ -415,12 +407,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     score(local, local_rows, run.reward_fn)
     trajs = [t for part in gather_objects(local, ctx) for t in part] if ctx.enabled else local  # all rows, in row order
     group_rewards = [[tr.reward for tr, k in zip(trajs, groups) if k == j] for j in range(len(batch_tasks))]
-    task_ids = [t.id for t in batch_tasks]
-    if signals.hint_policy is not None:
-        signals.hint_policy.observe(task_ids, group_rewards)
-    if signals.ets is not None:  # ETS: queries whose whole group failed enter the buffer
-        signals.ets.observe(p.rl_done, task_ids, group_rewards)
-        signal_line[M.SIGNAL_ETS_BUFFER] = float(len(signals.ets))
+    signal_line.update(signals.observe(p.rl_done, [t.id for t in batch_tasks], group_rewards))
     local_rewards = torch.tensor([tr.reward for tr in local])
     members = local
     if s.ops.enabled:  # OPS: gold members join the group; advantages over both kinds (Eq. 4)
@@ -432,19 +419,10 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     else:
         adv = advantages(local_rewards, local_groups, g, ctx)
     if signals.analyzer is not None:  # PRS (one process only): reflections on failed episodes join the pool
-        got, errors = collect_reflections(signals.analyzer, run.rng.sample(trajs, len(trajs)), run.tasks_by_id, s.reflection.fail_at,
-                                          s.reflection.per_step)
-        signals.add_reflections([reflection_example(run.tok, tr, r.text, s.reflection.max_tokens) for tr, r in got], s.reflection.pool)
-        signal_line.update({M.SIGNAL_REFLECTIONS: float(len(got)), M.SIGNAL_REFLECTION_ERRORS: float(errors)})
-    extra = [(k, signals.schedule.sync_weight(k), sample_examples(signals.supervision_pool(k), s.sync_examples, run.rng))
-             for k in signals.schedule.kinds if signals.schedule.sync_weight(k) > 0]
+        signal_line.update(signals.reflect(trajs, run.rng))
+    extra = signals.sync_losses(run.rng)  # synchronous paradigm: supervision losses inside this update
     t1 = time.time()
-    # old log-probs from the policy: rows sampled by another copy of the weights (bf16 sampler,
-    # autocast), and hinted rows: sampled with the hint in context, trained without it
-    # (π(·|no hint), as verl's recomputed old log-probs give)
-    other_sampler = run.sampler is not run.model or cfg.model.autocast
-    hint_rule = s.hint.enabled and s.hint.recompute_old_logprobs
-    old_from_policy = [other_sampler or (hint_rule and is_hinted(tr)) for tr in members]
+    old_from_policy = signals.old_from_policy(members, other_sampler=run.sampler is not run.model or cfg.model.autocast)
     sink: list = []
     optimizer = run.optimizer
     if ctx.enabled:  # this rank's share of the global normalisers weighs its gradient (GradientSync)
