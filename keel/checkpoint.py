@@ -11,9 +11,8 @@ Each is written into a temp directory and swapped in; trainer_state.json is writ
 presence marks a complete checkpoint. A LoRA policy is saved merged (a plain model for `keel
 eval`) plus its adapter weights (what resume and rollback load).
 
-`save_latest`, `restore` and `rollback` take the run's state `r`, an object with the attributes
-cfg, run_dir, ctx, model, tok, lora, sampler, ref_model, opt, sched, p (Progress), rng,
-detectors, freq_baseline and signals (keel.signals.state.SignalState).
+`save`, `save_latest`, `restore` and `rollback` take the run's state (keel.run.Run; this module
+reads its attributes and does not import it: keel.run imports Progress from here).
 """
 
 from __future__ import annotations
@@ -93,79 +92,79 @@ def complete_checkpoint(path: Path) -> Path | None:
     return None
 
 
-def save(r, name: str, model, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
+def save(run, name: str, model, optimizer, state: dict[str, Any], extra: dict[str, Any] | None = None) -> None:
     """checkpoints/<name>, written by rank 0; every rank waits until it is complete. A LoRA
     policy is saved merged (a plain model for `keel eval`) plus its adapter weights."""
-    if r.ctx.is_main and r.lora is not None and model is r.model:
-        model = r.lora.merged_model()
-        extra = {**(extra or {}), "adapter.pt": r.lora.adapter_state()}
-    if r.ctx.is_main:
-        save_checkpoint(r.run_dir / "checkpoints" / name, model, r.tok, optimizer, state, extra)
-    barrier(r.ctx)
+    if run.ctx.is_main and run.lora is not None and model is run.model:
+        model = run.lora.merged_model()
+        extra = {**(extra or {}), "adapter.pt": run.lora.adapter_state()}
+    if run.ctx.is_main:
+        save_checkpoint(run.run_dir / "checkpoints" / name, model, run.tok, optimizer, state, extra)
+    barrier(run.ctx)
 
 
-def save_latest(r) -> None:
+def save_latest(run) -> None:
     """checkpoints/latest: weights, optimizer, scheduler, RNG states, detectors, signals, progress."""
-    if not r.cfg.run.save_checkpoints:
+    if not run.cfg.run.save_checkpoints:
         return
-    p = r.p
-    signals = r.signals.state_dict()
+    p = run.progress
+    signals = run.signals.state_dict()
     p.signals = {k: v for k, v in signals.items() if k != "reflections"}  # the reflection pool goes to reflections.pt
     state = {
         "progress": asdict(p),
-        "rng": _rng_to_json(r.rng.getstate()),
-        "detectors": r.detectors.state_dict(),
-        "freq_baseline": r.freq_baseline.state_dict(),
-        "scheduler": r.sched.state_dict() if r.sched is not None else None,
+        "rng": _rng_to_json(run.rng.getstate()),
+        "detectors": run.detectors.state_dict(),
+        "freq_baseline": run.freq_baseline.state_dict(),
+        "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
         "step": p.step,
     }
     extra = {"torch_rng.pt": torch.get_rng_state(), "reflections.pt": signals["reflections"]}
-    save(r, "latest", r.model, r.opt, state, extra)
+    save(run, "latest", run.model, run.optimizer, state, extra)
 
 
-def restore(r) -> None:
-    """Load checkpoints/latest into `r` (a fresh run's objects) and cut metrics/alerts back to
+def restore(run) -> None:
+    """Load checkpoints/latest into `run` (a fresh run's objects) and cut metrics/alerts back to
     what it covers. The reference and the optimizer of the phase it was in are rebuilt."""
     from safetensors.torch import load_file
 
-    ck = complete_checkpoint(r.run_dir / "checkpoints" / "latest")
+    ck = complete_checkpoint(run.run_dir / "checkpoints" / "latest")
     state = json.loads((ck / "trainer_state.json").read_text())
-    r.p = Progress(**state["progress"])
-    for key, value in r.p.config_changes.items():
-        set_key(r.cfg, key, value)
-    if r.lora is not None:
-        r.lora.load_adapter_state(torch.load(ck / "adapter.pt"))
+    run.progress = Progress(**state["progress"])
+    for key, value in run.progress.config_changes.items():
+        set_key(run.cfg, key, value)
+    if run.lora is not None:
+        run.lora.load_adapter_state(torch.load(ck / "adapter.pt"))
     else:
-        r.model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
-    r.rng.setstate(_rng_from_json(state["rng"]))
+        run.model.load_state_dict(load_file(str(ck / "model.safetensors")), strict=False)
+    run.rng.setstate(_rng_from_json(state["rng"]))
     torch.set_rng_state(torch.load(ck / "torch_rng.pt"))
-    r.detectors.load_state_dict(state["detectors"])
-    r.freq_baseline.load_state_dict(state["freq_baseline"])
-    signals = dict(r.p.signals)
+    run.detectors.load_state_dict(state["detectors"])
+    run.freq_baseline.load_state_dict(state["freq_baseline"])
+    signals = dict(run.progress.signals)
     if (ck / "reflections.pt").exists():
         signals["reflections"] = torch.load(ck / "reflections.pt")
-    r.signals.load_state_dict(signals)
-    g = r.cfg.grpo
-    if r.p.phase in ("rl", "done"):
-        reference = load_file(str(r.run_dir / "checkpoints" / "reference" / "model.safetensors"))
-        if r.lora is not None:  # base weights = the SFT model folded at the RL start; adapters on top
-            r.lora.load_base_state(reference)
-            r.ref_model = r.lora
+    run.signals.load_state_dict(signals)
+    g = run.cfg.grpo
+    if run.progress.phase in ("rl", "done"):
+        reference = load_file(str(run.run_dir / "checkpoints" / "reference" / "model.safetensors"))
+        if run.lora is not None:  # base weights = the SFT model folded at the RL start; adapters on top
+            run.lora.load_base_state(reference)
+            run.ref_model = run.lora
         else:
-            r.ref_model = frozen_copy(r.model)
-            r.ref_model.load_state_dict(reference, strict=False)
-        r.opt, r.sched = make_optimizer(r.model, g.lr, g.warmup_steps, g.weight_decay, g.adam_eps)
+            run.ref_model = frozen_copy(run.model)
+            run.ref_model.load_state_dict(reference, strict=False)
+        run.optimizer, run.scheduler = make_optimizer(run.model, g.lr, g.warmup_steps, g.weight_decay, g.adam_eps)
     else:
-        r.opt, r.sched = make_optimizer(r.model, r.cfg.sft.lr, r.cfg.sft.warmup_steps, 0.0, g.adam_eps)
-    copy_weights(r.sampler, r.model)
+        run.optimizer, run.scheduler = make_optimizer(run.model, run.cfg.sft.lr, run.cfg.sft.warmup_steps, 0.0, g.adam_eps)
+    copy_weights(run.sampler, run.model)
     if (ck / "optimizer.pt").exists():
-        r.opt.load_state_dict(torch.load(ck / "optimizer.pt"))
+        run.optimizer.load_state_dict(torch.load(ck / "optimizer.pt"))
     if state.get("scheduler"):
-        r.sched.load_state_dict(state["scheduler"])
-    if r.ctx.is_main:
-        truncate_jsonl_lines(r.run_dir / "metrics.jsonl", r.p.metrics_lines)
-        truncate_jsonl_lines(r.run_dir / "alerts.jsonl", r.p.alerts_lines)
-    barrier(r.ctx)
+        run.scheduler.load_state_dict(state["scheduler"])
+    if run.ctx.is_main:
+        truncate_jsonl_lines(run.run_dir / "metrics.jsonl", run.progress.metrics_lines)
+        truncate_jsonl_lines(run.run_dir / "alerts.jsonl", run.progress.alerts_lines)
+    barrier(run.ctx)
 
 
 def restart(run_dir: Path, ctx: DistContext) -> None:
@@ -179,7 +178,7 @@ def restart(run_dir: Path, ctx: DistContext) -> None:
     barrier(ctx)
 
 
-def rollback(r, overrides: dict[str, str]) -> int | None:
+def rollback(run, overrides: dict[str, str]) -> int | None:
     """Load the `peak` checkpoint's weights, apply the alert's config changes ("x5" multiplies)
     and start a fresh optimizer (no warm-up) for RL from there.
 
@@ -188,25 +187,25 @@ def rollback(r, overrides: dict[str, str]) -> int | None:
     """
     from safetensors.torch import load_file
 
-    peak = r.run_dir / "checkpoints" / "peak"
+    peak = run.run_dir / "checkpoints" / "peak"
     if not (peak / "model.safetensors").exists():
         return None
-    if r.lora is not None:
-        r.lora.load_adapter_state(torch.load(peak / "adapter.pt"))
+    if run.lora is not None:
+        run.lora.load_adapter_state(torch.load(peak / "adapter.pt"))
     else:
-        r.model.load_state_dict(load_file(str(peak / "model.safetensors")), strict=False)  # tied lm_head is not stored separately
+        run.model.load_state_dict(load_file(str(peak / "model.safetensors")), strict=False)  # tied lm_head is not stored separately
     for key, value in overrides.items():
-        current = get_key(r.cfg, key)
+        current = get_key(run.cfg, key)
         if isinstance(value, str) and value.startswith("x") and isinstance(current, (int, float)):
-            set_key(r.cfg, key, float(current) * float(value[1:]))
+            set_key(run.cfg, key, float(current) * float(value[1:]))
         else:
             import yaml
 
-            set_key(r.cfg, key, yaml.safe_load(value) if isinstance(value, str) else value)
+            set_key(run.cfg, key, yaml.safe_load(value) if isinstance(value, str) else value)
     step = int(json.loads((peak / "trainer_state.json").read_text())["step"])
-    copy_weights(r.sampler, r.model)
-    g = r.cfg.grpo
-    r.opt, r.sched = make_optimizer(r.model, g.lr, 0, g.weight_decay, g.adam_eps)
+    copy_weights(run.sampler, run.model)
+    g = run.cfg.grpo
+    run.optimizer, run.scheduler = make_optimizer(run.model, g.lr, 0, g.weight_decay, g.adam_eps)
     return step
 
 

@@ -147,7 +147,7 @@ def _sigterm_unwinds():
     """SIGTERM raises keel.errors.Terminated for the whole command, instead of killing the
     process where it stands: a run directory just claimed (config.yaml written, the tracker
     starting) is removed as after Ctrl-C, not left half-made. A training run replaces this with
-    its own handler (keel.train.Interrupted: finish the step, checkpoint) while it trains."""
+    its own handler (keel.run.Interrupted: finish the step, checkpoint) while it trains."""
     from keel.errors import Terminated
 
     def handler(signum, frame):
@@ -284,7 +284,7 @@ def preflight(cfg, distributed: bool = False):
         # read here, not first in the SFT phase, where the pre-SFT eval has already logged into the run directory
         if not self_distillation_examples(read_trajectories(trajectories), packed=cfg.sft.packed):
             raise task_builder.DataError(f"signals.self_distill.trajectories: {trajectories} has no usable episodes")
-    if distributed:  # every rank loads the data itself, after rank 0 wrote it (see Trainer)
+    if distributed:  # every rank loads the data itself, after rank 0 wrote it (see keel.run.start)
         return None, None
     staging = Path(tempfile.mkdtemp(prefix="keel-staging-")) if cfg.data.source == "synthetic" and cfg.env.kind == "kg" else None
     try:

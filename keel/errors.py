@@ -72,7 +72,7 @@ class Aborted(KeyboardInterrupt):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM while no run's own handler (keel.train.Interrupted) is installed: loading the
+    """SIGTERM while no run's own handler (keel.run.Interrupted) is installed: loading the
     data or model, claiming the run directory, between a sweep's runs. It unwinds as Ctrl-C's
     KeyboardInterrupt does there, so what was made is removed; the CLI exits 128 + `signum` (143)."""
 

@@ -322,3 +322,20 @@ def make_optimizer(model, lr: float, warmup: int, weight_decay: float, eps: floa
     """(AdamW over the trainable weights, its scheduler: a linear warm-up over `warmup` steps, then constant)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, eps=eps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+
+
+def autocast_context(model, enabled: bool):
+    """bf16 autocast on the model's device (a no-op context when not `enabled`)."""
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=enabled)
+
+
+def reference_network(ref_model, model):
+    """(network that computes the KL reference's log-probs, factory of the context it runs in).
+    With LoRA the reference is the policy itself with its adapters switched off; a frozen copy
+    runs as it is; None: no reference (network None)."""
+    import contextlib
+
+    if isinstance(ref_model, LoRA):
+        return model, ref_model.reference
+    return ref_model, contextlib.nullcontext

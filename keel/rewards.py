@@ -439,6 +439,18 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
+def score(trajs: list[Trajectory], tasks: list[Task], reward_fn: RewardFn) -> None:
+    """Set each trajectory's reward and components. A reward function that raises gives 0.0 and
+    the component reward_error = 1, the error kept in `info` (one odd sample must not crash a long run)."""
+    for tr, task in zip(trajs, tasks):
+        try:
+            total, parts = reward_fn(tr, task)
+        except Exception as exc:
+            total, parts = 0.0, {"reward_error": 1.0}
+            tr.info["reward_error"] = f"{type(exc).__name__}: {exc}"
+        tr.reward, tr.reward_components = float(total), parts
+
+
 def resolve_reward(name: str) -> RewardFn:
     """A key of REWARDS, or the user's `module:function` / `path/to/file.py:function`.
 

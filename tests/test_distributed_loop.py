@@ -21,7 +21,7 @@ import pytest
 
 from keel.config import Config
 from keel.distributed import DistContext
-from keel.train import check_distributed_config
+from keel.run import check_distributed_config
 from runs import assert_same_lines, deterministic_lines, free_port
 
 REPO = Path(__file__).resolve().parent.parent

@@ -130,17 +130,18 @@ def test_a_signal_during_the_post_sft_eval_stops_before_the_first_rl_step(tmp_pa
     set up and checkpointed, not after a whole RL step (which can take minutes); resume goes on
     from RL step 1."""
     from keel.config import load_config
-    from keel.train import Trainer, train
+    import keel.train
+    from keel.train import train
 
-    real = Trainer.evaluate
+    real = keel.train.evaluate
 
-    def evaluate(self, label):
-        means = real(self, label)
+    def evaluate(run, label):
+        means = real(run, label)
         if label == "after_sft":  # as the handler does when SIGTERM arrives during this eval
-            self.interrupted.flag, self.interrupted.signal_name = True, "SIGTERM"
+            run.interrupted.flag, run.interrupted.signal_name = True, "SIGTERM"
         return means
 
-    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    monkeypatch.setattr(keel.train, "evaluate", evaluate)
     overrides = [a for a in ARGS if a != "--set"]
     summary = train(load_config(REPO / "configs/smoke.yaml", overrides), tmp_path / "run")
     phases = [json.loads(line).get("phase") for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -530,7 +530,7 @@ def test_sigterm_sets_the_flag_and_a_second_signal_aborts():
     import signal
 
     from keel.errors import Aborted
-    from keel.train import Interrupted
+    from keel.run import Interrupted
 
     with Interrupted() as interrupted:
         os.kill(os.getpid(), signal.SIGTERM)

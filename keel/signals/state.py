@@ -6,12 +6,18 @@ What a signal remembers between RL steps, and so what a checkpoint must keep:
 - the reflection pool (PRS): the newest `signals.reflection.pool` reflection examples
 `state_dict()` holds all three; `load_state_dict` restores them. The gold-trajectory cache is not
 state: gold trajectories are deterministic, rebuilt on demand after a resume.
+
+keel.train.rl_step asks the signals, in this order: `hints` (before sampling), `observe` (after
+the rewards), `reflect` (PRS), `sync_losses` (the synchronous paradigm's extra losses) and
+`old_from_policy` (which rows' old log-probs the update takes from the policy); OPS, which
+changes the groups themselves, stays in rl_step.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from keel import metrics as M
 from keel.config import SignalsConfig
 from keel.sft import SFTExample, decompose
 from keel.signals.ets import ETSBuffer
@@ -26,7 +32,7 @@ class SignalState:
 
     def __init__(self, signals: SignalsConfig, rl_lr: float, env: Env, tokenizer, train_tasks: list[Task], tasks_by_id: dict[str, Task],
                  packed: bool):
-        s = signals
+        s = self.cfg = signals
         self.tokenizer, self.env, self.train_tasks, self.tasks_by_id, self.packed = tokenizer, env, train_tasks, tasks_by_id, packed
         self.schedule = Schedule.from_config(s, rl_lr)
         self.hint_policy = HintPolicy(env, s.hint.kinds, s.hint.position, s.hint.only_failed, s.hint.fail_at) if s.hint.enabled else None
@@ -56,10 +62,54 @@ class SignalState:
             return self.ets.sft_examples(self.tokenizer, self.env, self.tasks_by_id, packed=self.packed)
         return list(self.reflections)
 
-    def add_reflections(self, examples: list[SFTExample | None], pool: int) -> None:
-        """Append the new reflection examples (None: too long, dropped); keep the newest `pool`."""
-        self.reflections.extend(e for e in examples if e is not None)
-        del self.reflections[:-pool]
+    # --- what an RL step asks of the signals, in the order it asks -------------------------------------
+    def hints(self, batch_tasks: list[Task], groups: list[int]) -> tuple[list[str | None] | None, dict[str, float]]:
+        """Before sampling: each row's hint (a group's rows share their task's; None: no hint
+        policy), and signal/hinted_groups. Hints are shown while sampling only; collate drops them."""
+        if self.hint_policy is None:
+            return None, {}
+        per_task = self.hint_policy.hints_for(batch_tasks)
+        return [per_task[k] for k in groups], {M.SIGNAL_HINTED_GROUPS: sum(h is not None for h in per_task) / len(per_task)}
+
+    def observe(self, rl_step: int, task_ids: list[str], group_rewards: list[list[float]]) -> dict[str, float]:
+        """After the rewards: the hint policy and the ETS buffer see each group's outcome (its
+        sampled members); queries whose whole group failed enter the ETS buffer. Returns signal/ets_buffer."""
+        if self.hint_policy is not None:
+            self.hint_policy.observe(task_ids, group_rewards)
+        if self.ets is None:
+            return {}
+        self.ets.observe(rl_step, task_ids, group_rewards)
+        return {M.SIGNAL_ETS_BUFFER: float(len(self.ets))}
+
+    def reflect(self, trajs: list[Trajectory], rng) -> dict[str, float]:
+        """PRS: reflections on failed episodes (visited in an order drawn from `rng`) join the pool,
+        the newest signals.reflection.pool kept. Returns signal/reflections and signal/reflection_errors."""
+        from keel.signals.reflection import collect_reflections, reflection_example
+
+        r = self.cfg.reflection
+        got, errors = collect_reflections(self.analyzer, rng.sample(trajs, len(trajs)), self.tasks_by_id, r.fail_at, r.per_step)
+        self.reflections.extend(e for e in (reflection_example(self.tokenizer, tr, x.text, r.max_tokens) for tr, x in got) if e is not None)
+        del self.reflections[: -r.pool]
+        return {M.SIGNAL_REFLECTIONS: float(len(got)), M.SIGNAL_REFLECTION_ERRORS: float(errors)}
+
+    def sync_losses(self, rng) -> list[tuple[str, float, list[SFTExample]]]:
+        """Paper A's synchronous paradigm: (kind, weight, examples sampled from its pool) for each
+        supervision loss added to this RL update; [] otherwise."""
+        from keel.signals.schedule import sample_examples
+
+        return [(k, self.schedule.sync_weight(k), sample_examples(self.supervision_pool(k), self.cfg.sync_examples, rng))
+                for k in self.schedule.kinds if self.schedule.sync_weight(k) > 0]
+
+    def old_from_policy(self, members: list[Trajectory], other_sampler: bool) -> list[bool]:
+        """Per trajectory: take its old log-probs from the policy before the update (grpo_update's
+        `old_from_policy`): every row when it was sampled by another copy of the weights (bf16
+        sampler, autocast); a hinted row under signals.hint.recompute_old_logprobs, as it was
+        sampled with the hint in context and is trained without it (π(·|no hint), as verl's
+        recomputed old log-probs give)."""
+        from keel.signals.hints import is_hinted
+
+        hint_rule = self.cfg.hint.enabled and self.cfg.hint.recompute_old_logprobs
+        return [other_sampler or (hint_rule and is_hinted(tr)) for tr in members]
 
     def state_dict(self) -> dict[str, Any]:
         """{"ets": ..., "hints": ... (each only when that signal is on), "reflections": [(token_ids,
