@@ -110,6 +110,7 @@ class RolloutConfig:
     max_turns: int = doc(4, "assistant turns per episode (paper B: 5; paper A: up to 30)")
     max_new_tokens: int = doc(96, "tokens per assistant turn")
     max_total_tokens: int = doc(1536, "tokens per episode, prompt included")
+    stratify_by: str = doc("", "a task meta key (template on the synthetic KG): each RL epoch takes the key's values in turn, so every batch mixes them evenly instead of by chance; empty: a plain shuffle")
     dtype: str = doc("float32", "float32 | bfloat16: sample with a bf16 copy of the weights (≈1.5–2× faster decode with AMX, MEASURED.md); the update then takes old log-probs from the fp32 policy itself, since bf16 sampling log-probs differ by ~0.04/token")
 
 

@@ -68,6 +68,7 @@ class Run:
     freq_baseline: ControlFrequencyBaseline
     pieces: PieceCache
     t_start: float
+    strata: list[str] | None = None  # rollout.stratify_by's value per training task (keel.tasks.strata)
     ref_model: Any = None
     optimizer: Any = None
     scheduler: Any = None
@@ -230,7 +231,7 @@ def start(cfg: Config, run_dir: Path, reward_fn, tracker, interrupted: Interrupt
     return Run(cfg=cfg, run_dir=run_dir, ctx=ctx, tracker=tracker, interrupted=interrupted, reward_fn=reward_fn, model=model, tok=tok,
                chat=chat, lora=lora, sampler=sampler, env=env, train_tasks=train_tasks, dev=dev, tasks_by_id=tasks_by_id,
                progress=progress, rng=rng, signals=signals, detectors=detectors, freq_baseline=freq_baseline, pieces=pieces,
-               t_start=t_start)
+               t_start=t_start, strata=task_builder.strata(train_tasks, cfg.rollout.stratify_by))
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
@@ -360,14 +361,37 @@ def interrupted_anywhere(run: Run) -> bool:
     return run.interrupted.flag
 
 
-def next_batch(run: Run, order: list[int], n: int, pool: int) -> list[int]:
-    """n indices from a shuffled epoch order, reshuffling when an epoch ends (order is Progress state)."""
+def next_batch(run: Run, order: list[int], n: int, pool: int, strata: list[str] | None = None) -> list[int]:
+    """n indices from an epoch order, a new one when an epoch ends (order is Progress state, and
+    is popped from its end). `strata` (one value per index): the epoch is `stratified_order`'s."""
     out = []
     while len(out) < n:
         if not order:
-            order.extend(range(pool))
-            run.rng.shuffle(order)
+            if strata is None:
+                order.extend(range(pool))
+                run.rng.shuffle(order)
+            else:
+                order.extend(reversed(stratified_order(run.rng, strata)))
         out.append(order.pop())
+    return out
+
+
+def stratified_order(rng: random.Random, strata: list[str]) -> list[int]:
+    """All indices, the strata's values taken in turn (each value's indices shuffled, the values'
+    cycle shuffled once per epoch): any run of k consecutive indices holds each value ⌊k/V⌋ or
+    ⌈k/V⌉ times while every value still has indices left. GRPO at 8 prompts a step otherwise sees
+    a template three times in one batch and not at all in the next, and its shared decisions move
+    with that draw (LOG.md, 2026-12-01, ninth session)."""
+    groups: dict[str, list[int]] = {}
+    for i, value in enumerate(strata):
+        groups.setdefault(value, []).append(i)
+    cycle = sorted(groups)
+    rng.shuffle(cycle)
+    for value in cycle:
+        rng.shuffle(groups[value])
+    out: list[int] = []
+    while len(out) < len(strata):
+        out.extend(groups[value].pop() for value in cycle if groups[value])
     return out
 
 

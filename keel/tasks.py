@@ -214,6 +214,17 @@ def prepare(cfg: Config, run_dir: Path | None, tokenizer, chat: ChatTemplate | N
     return env, train, dev
 
 
+def strata(tasks: list[Task], key: str) -> list[str] | None:
+    """Each task's value of the meta key `key` (rollout.stratify_by), as strings; None when `key`
+    is empty. A task without the key is a DataError naming it."""
+    if not key:
+        return None
+    missing = [t.id for t in tasks if key not in (t.meta or {})]
+    if missing:
+        raise DataError(f"rollout.stratify_by: {len(missing)} training task(s) have no meta key {key!r} (first: {missing[0]!r})")
+    return [str(t.meta[key]) for t in tasks]
+
+
 SHORT_QUESTION_BYTES = 256  # questions this short are not tokenised here (any prompt budget Keel uses fits them)
 
 

@@ -389,7 +389,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     cfg, p, ctx, signals = run.cfg, run.progress, run.ctx, run.signals
     s, g = cfg.signals, cfg.grpo
     t0 = time.time()
-    batch_tasks = [run.train_tasks[i] for i in next_batch(run, p.rl_order, cfg.rollout.prompts_per_step, len(run.train_tasks))]
+    batch_tasks = [run.train_tasks[i] for i in next_batch(run, p.rl_order, cfg.rollout.prompts_per_step, len(run.train_tasks), run.strata)]
     # OPS "replace" (the authors' replace_num=1): the gold trajectory takes one slot of each group
     n_replace = s.ops.members if s.ops.enabled and s.ops.mode == "replace" else 0
     rows, groups = sampled_rows(batch_tasks, cfg.rollout.group_size, n_replace)
