@@ -145,7 +145,7 @@ class GRPOConfig:
 
 @dataclass
 class RewardConfig:
-    name: str = doc("r_binary", "reward function, a key of keel.rewards.REWARDS (paper B ladder: r_binary, r_binary_sr, r_stepwise, r_toolverbs, r_selfv, ...; any task: answer_em, answer_f1, calls_succeeded) or your own module:function / file.py:function, called as fn(trajectory, task) -> (total, components)")
+    name: str = doc("r_binary", "reward function, a key of keel.rewards.REWARDS (paper B's ladder: r_binary, r_binary_sr, r_stepwise (Keel's observation words), r_stepwise_released (rung 3 with the released code's words, as the paper ran it), r_toolverbs (rung 5: with grpo.kl_coef ×5), r_selfv, r_selfv_gated (a working ≥2-distinct-calls gate), r_selfv_no_retrv (r_retrv off: what the released gate computed); paper A: fc_binary, fc_tag_balance; any task: answer_em, answer_f1, calls_succeeded) or your own module:function / file.py:function, called as fn(trajectory, task) -> (total, components)")
 
 
 @dataclass

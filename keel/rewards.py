@@ -269,9 +269,11 @@ def r_stepwise_released(traj: Trajectory, task: Task) -> tuple[float, dict[str, 
       0.251. Under the released rule the gold path earns about what the ritual of rung 3 earns
       (one relation call on the topic entity: 0.25 per step under both rules).
 
-    What is still Keel's here, as in every rung: steps come from `traj.steps` (parsed JSON
-    calls, their string arguments) rather than `name(a, b)` text, and the first step's
-    coherence reads the topic entities' ids and names.
+    Both rules read the answer as the released code does: the first `<answer>…</answer>`
+    (`keel.chat.extract_answer`), so r_out is the same under both; what is still Keel's here,
+    as in every rung: the tag is read in the final turn rather than the whole output, steps
+    come from `traj.steps` (parsed JSON calls, their string arguments) rather than
+    `name(a, b)` text, and the first step's coherence reads the topic entities' ids and names.
     """
     return _stepwise(traj, task, released=True)
 
