@@ -62,6 +62,7 @@ GATE_MIN_DISTINCT = 2  # R-selfV gate: distinct non-empty calls needed before r_
 
 _EMPTY_TEXTS = ("", "[]", "No results found")
 _TRAILING_ID = re.compile(r"\s*\([^()\s]*\)\s*$")  # " (m.0d3k14)" at the end of an entry
+_NOT_SHOWN = re.compile(r"\s*\(\d+ more not shown\)\s*$")  # keel.kg.env's note after a list cut at env.max_items
 _WORD_PUNCT = "[]\"'(),"
 
 
@@ -82,14 +83,15 @@ def returned_entities(text: str | None) -> list[str]:
     """Entries of a non-empty observation, read as the authors read them: strip `[]` from the
     ends, split on commas, strip spaces and quotes; Keel also strips a trailing ` (m.id)`.
 
-    A name containing a comma is split in two, as in their code.
+    A name containing a comma is split in two, as in their code. Keel's note after a list cut at
+    `env.max_items` ("(12 more not shown)") is not an entry.
     >>> returned_entities('["Barack Obama (m.02mjmr)", "Honolulu (m.03h64)"]')
     ['Barack Obama', 'Honolulu']
     """
     if is_empty_observation(text):
         return []
     out = []
-    for part in text.strip().strip("[]").split(","):
+    for part in _NOT_SHOWN.sub("", text).strip().strip("[]").split(","):
         entry = _TRAILING_ID.sub("", part.strip().strip('"').strip("'")).strip()
         if entry:
             out.append(entry)
@@ -103,7 +105,7 @@ def observation_words(text: str | None) -> set[str]:
     >>> sorted(observation_words('["Barack Obama (m.02mjmr)"]'))
     ['barack', 'barack obama', 'm.02mjmr', 'obama']
     """
-    low = (text or "").lower()
+    low = _NOT_SHOWN.sub("", text or "").lower()
     words = {w.strip(_WORD_PUNCT) for w in low.split()}
     for part in low.strip().strip("[]").split(","):
         entry = part.strip().strip('"').strip("'").strip()

@@ -78,6 +78,14 @@ def test_empty_rule_and_entity_reading():
     assert observation_words('["Barack Obama (m.02mjmr)"]') == {"barack", "obama", "barack obama", "m.02mjmr"}
 
 
+def test_a_list_cut_at_max_items_reads_its_shown_entries():
+    # keel.kg.env writes '(N more not shown)' after a list longer than env.max_items; the last
+    # shown entry was read as 'Honolulu (m.03h64)"] (12 more not shown)' and never matched.
+    cut = '["Barack Obama (m.02mjmr)", "Honolulu (m.03h64)"] (12 more not shown)'
+    assert returned_entities(cut) == ["Barack Obama", "Honolulu"]
+    assert observation_words(cut) == observation_words('["Barack Obama (m.02mjmr)", "Honolulu (m.03h64)"]')
+
+
 def test_r_binary_alias_and_f1():
     total, c = r_binary(traj([], "Honolulu, Hawaii"), TASK)
     # EM 1 via the alias; F1 vs "honolulu": pred [honolulu, hawaii], common 1, P 1/2, R 1 → 2/3.

@@ -245,7 +245,7 @@ class RuleAnalyzer:
         if obs.error == "unknown_relation":
             expected = relations_of.get(entity)
             return "wrong_relation", f"{_clip(relation)} is not a relation of the graph" + (f"; from {entity} the gold path follows {expected[0]}." if expected else ".")
-        if obs.ok and not is_empty_observation(obs.text):
+        if obs.ok and not is_empty_observation(obs.result_text):
             return None
         # an executed query that returned nothing: which argument is off the gold path?
         if call.name in ENTITY_VERBS:
