@@ -25,7 +25,7 @@ from keel.chat import IM_END, render_assistant_calls, render_tool_responses, ren
 from keel.episode import process_turn
 from keel.rollout import encode_prompt
 from keel.templates import ChatTemplate
-from keel.types import Env, Source, Task, Trajectory
+from keel.types import Env, Source, Task, Trajectory, is_function_calling
 
 
 def gold_turn_texts(task: Task, render_calls: Callable[[list[dict[str, Any]]], str] = render_assistant_calls) -> list[str]:
@@ -33,14 +33,14 @@ def gold_turn_texts(task: Task, render_calls: Callable[[list[dict[str, Any]]], s
     <tool_call> blocks; a chat template's family writes its own, keel.templates).
 
     - `meta["gold_texts"]` when a loader wrote full texts;
-    - function calling (BFCL layout, `meta["ground_truth"]`): per user turn, one message with
+    - function calling (`keel.types.is_function_calling`): per user turn, one message with
       all its gold calls and then a closing message without calls (a turn whose gold is `[]`
       is answered in prose) — exactly what `keel.fc.policies.make_oracle` sends;
     - KG: one turn per `gold_turns` entry (its calls) plus a final `<answer>` turn.
     """
     if task.meta.get("gold_texts"):
         return list(task.meta["gold_texts"])
-    if "ground_truth" in task.meta:
+    if is_function_calling(task):
         from keel.fc.policies import DONE_TEXT
 
         texts = []

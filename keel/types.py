@@ -75,6 +75,16 @@ class Task:
         )
 
 
+def is_function_calling(task: Task) -> bool:
+    """A function-calling task: its gold is the calls of each user turn (`gold_turns[t]`, `[]` for
+    a turn answered in prose), an episode succeeds by a checker's verdict (`info["checker_valid"]`)
+    and there is no answer text. The loaders mark it: BFCL (multi- and single-turn) and fc_learn
+    put BFCL's entry in `meta["entry"]`; BFCL multi-turn, fc_learn and ACEBench the ground truth
+    in `meta["ground_truth"]`. Every other task (KG, tools, MCP) is a question answered in text.
+    The one test of "is this function calling?"; the tasks Keel trains on (fc_learn) carry both."""
+    return "ground_truth" in task.meta or isinstance(task.meta.get("entry"), dict)
+
+
 @dataclass
 class ToolCall:
     """A tool call as parsed from model text. `error` is set when the text was not a valid call;

@@ -35,16 +35,10 @@ import torch
 from keel.chat import IM_END
 from keel.losses import group_advantages
 from keel.sft import gold_trajectory, gold_turn_texts
-from keel.types import Env, Source, Task, Trajectory
+from keel.types import Env, Source, Task, Trajectory, is_function_calling
 
 
 # --- gold trajectories for every env -----------------------------------------------------------------
-
-
-def is_function_calling(task: Task) -> bool:
-    """Multi-turn BFCL / learnable tasks: their ground truth per user turn is in `meta["ground_truth"]`
-    (the rule `keel.sft.gold_turn_texts` uses)."""
-    return "ground_truth" in task.meta
 
 
 def gold_texts(task: Task, env: Env | None = None) -> list[str]:
