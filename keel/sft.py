@@ -28,7 +28,7 @@ from keel.chat import IM_END, render_assistant_calls, render_tool_responses, ren
 from keel.episode import process_turn
 from keel.rollout import encode_prompt
 from keel.templates import ChatTemplate
-from keel.types import Env, Source, Task, Trajectory, is_function_calling
+from keel.types import Env, Source, Task, Trajectory, env_call_format, episode_info, is_function_calling
 
 
 def gold_turn_texts(task: Task, render_calls: Callable[[list[dict[str, Any]]], str] = render_assistant_calls) -> list[str]:
@@ -62,7 +62,7 @@ def gold_texts(task: Task, env: Env | None = None) -> list[str]:
     per gold turn, then `<answer>`; function calling: per user turn its gold calls, then the
     closing text of Keel's oracle), with the calls in the env's call format when it is not
     Hermes JSON (BfclEnv("python") / ("python_tagged"), the format-OOD axis)."""
-    fmt = getattr(env, "call_format", "json")
+    fmt = env_call_format(env)
     if not is_function_calling(task) and not task.answers and not task.meta.get("gold_texts"):
         raise ValueError(f"task {task.id!r}: no gold answer, so no gold trajectory")
     if fmt == "json" or task.meta.get("gold_texts") or not is_function_calling(task):
@@ -132,7 +132,7 @@ def gold_trajectory(tokenizer, env: Env, task: Task, source: int = Source.EXPERT
     finally:
         episode.close()
     tr.token_ids, tr.sources, tr.logprobs = ids, [int(s) for s in sources], logprobs
-    tr.info.update(getattr(episode, "info", None) or {})  # e.g. BFCL's checker_valid
+    tr.info.update(episode_info(episode))  # e.g. BFCL's checker_valid
     tr.info["gold_ok"] = gold_ok and tr.info.get("checker_valid", True)
     tr.info["expert"] = True
     return tr

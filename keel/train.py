@@ -46,7 +46,7 @@ from keel.rundir import RunDirError
 from keel.sft import SFTExample
 from keel.signals.ops import expert_members, group_with_experts, sampled_rows
 from keel.signals.schedule import run_phase, supervision_backward
-from keel.types import Source, Trajectory
+from keel.types import Source, Trajectory, close_env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,9 +203,7 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
         try:
             return loop(run, resume)
         finally:
-            close_env = getattr(run.env, "close", None)  # e.g. stop an MCP tool server
-            if callable(close_env):
-                close_env()
+            close_env(run.env)  # e.g. stop an MCP tool server
 
 
 def loop(run: Run, resume: bool) -> dict[str, Any]:

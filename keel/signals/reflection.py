@@ -32,7 +32,7 @@ from keel.answers import exact_match
 from keel.chat import IM_END, render_user_turn
 from keel.rewards import ENTITY_VERBS, is_empty_observation
 from keel.sft import SFTExample, decompose
-from keel.types import Env, Source, Step, Task, ToolCall, Trajectory, is_function_calling
+from keel.types import Env, Source, Step, Task, ToolCall, Trajectory, begin_step, env_call_format, is_function_calling
 
 # cause -> how the reflection names it
 CAUSES: dict[str, str] = {
@@ -144,7 +144,7 @@ class RuleAnalyzer:
 
     def __init__(self, env: Env) -> None:
         self.env = env
-        self.call_format = getattr(env, "call_format", "json")
+        self.call_format = env_call_format(env)
 
     def analyze(self, traj: Trajectory, task: Task) -> Reflection | None:
         if succeeded(traj, task):
@@ -166,8 +166,8 @@ class RuleAnalyzer:
             for k, calls in enumerate(task.gold_turns):
                 if k > 0 and is_function_calling(task):
                     episode.next_user_message()
-                if calls and hasattr(episode, "begin_step"):
-                    episode.begin_step()
+                if calls:
+                    begin_step(episode)
                 for c in calls:
                     obs = episode.execute(ToolCall(name=c["name"], arguments=dict(c["arguments"])))
                     if not obs.ok:

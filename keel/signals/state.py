@@ -24,7 +24,7 @@ from keel.signals.ets import ETSBuffer
 from keel.signals.hints import HintPolicy
 from keel.signals.reflection import LLMAnalyzer, RuleAnalyzer
 from keel.signals.schedule import Schedule
-from keel.types import Env, Task, Trajectory
+from keel.types import Env, Task, Trajectory, env_call_format
 
 
 class SignalState:
@@ -40,7 +40,7 @@ class SignalState:
         self.analyzer = None
         if s.reflection.enabled:
             self.analyzer = RuleAnalyzer(env) if s.reflection.analyzer == "rule" else LLMAnalyzer(
-                s.reflection.base_url, s.reflection.model, s.reflection.api_key or None, getattr(env, "call_format", "json"))
+                s.reflection.base_url, s.reflection.model, s.reflection.api_key or None, env_call_format(env))
         self.reflections: list[SFTExample] = []  # newest last, at most signals.reflection.pool
         self.gold_cache: dict[str, Trajectory] = {}  # the run's gold trajectories (SFT pool, ETS, OPS), built once per task
         self._gold_examples: list[SFTExample] | None = None
