@@ -11,7 +11,7 @@ Each is written into a temp directory and swapped in; trainer_state.json is writ
 presence marks a complete checkpoint. A LoRA policy is saved merged (a plain model for `keel
 eval`) plus its adapter weights (what resume and rollback load).
 
-`save`, `save_latest`, `restore` and `rollback` take the run's state (keel.run.Run; this module
+`save`, `save_latest`, `resume`, `restore` and `rollback` take the run's state (keel.run.Run; this module
 reads its attributes and does not import it: keel.run imports Progress from here).
 """
 
@@ -28,7 +28,7 @@ import torch
 
 from keel import metrics as M
 from keel.config import get_key, set_key
-from keel.distributed import DistContext, barrier
+from keel.distributed import DistContext, barrier, broadcast_object
 from keel.models import copy_weights, frozen_copy, make_optimizer
 from keel.rundir import atomic_write_json, swap_dir, truncate_jsonl_lines
 
@@ -120,6 +120,21 @@ def save_latest(run) -> None:
     }
     extra = {"torch_rng.pt": torch.get_rng_state(), "reflections.pt": signals["reflections"]}
     save(run, "latest", run.model, run.optimizer, state, extra)
+
+
+def resume(run) -> None:
+    """`keel train --resume`: continue `run` from checkpoints/latest (rank 0 decides, and mends a
+    half-swapped one), or, killed before its first checkpoint was complete, start it over from
+    step 0 in the same directory. Says which on the console."""
+    has_checkpoint = complete_checkpoint(run.run_dir / "checkpoints" / "latest") is not None if run.ctx.is_main else None
+    if broadcast_object(has_checkpoint, run.ctx):
+        restore(run)
+        message = f"[keel] resumed {run.run_dir} at step {run.progress.step} ({run.progress.phase})"
+    else:
+        restart(run.run_dir, run.ctx)
+        message = f"[keel] {run.run_dir} has no complete checkpoint yet: starting it again from step 0"
+    if run.ctx.is_main:
+        print(message, flush=True)
 
 
 def restore(run) -> None:

@@ -433,6 +433,7 @@ def _config_eval(args, out: Path) -> dict:
     from keel.config import load_config
     from keel.evaluate import evaluate_model, evaluate_text_policy, gold_replay_policy
     from keel.rundir import atomic_write_json, write_jsonl
+    from keel.types import close_env
 
     cfg = load_config(args.config, args.overrides)
     if args.split not in ("dev", "train"):
@@ -488,9 +489,7 @@ def _config_eval(args, out: Path) -> dict:
         atomic_write_json(out / "summary.json", summary)
         return summary
     finally:
-        close = getattr(env, "close", None)
-        if callable(close):
-            close()
+        close_env(env)
 
 
 def _endpoint(args, tools_for):
@@ -515,7 +514,7 @@ def _endpoint(args, tools_for):
 
 def _fc_eval(args) -> dict:
     """BFCL / ACEBench through keel.fc.evaluate (bfcl-eval's own checkers), ID and OOD side by side."""
-    from keel.fc.evaluate import _env_for, evaluate_fc
+    from keel.fc.evaluate import PolicyFactory, env_for, evaluate_fc
 
     formats = tuple(f for f in args.call_formats.split(",") if f)
     categories = [c for c in args.categories.split(",") if c] or None
@@ -524,7 +523,7 @@ def _fc_eval(args) -> dict:
     if policy not in ("oracle", "null"):
         if policy == "endpoint":
             def factory(fmt):
-                return _endpoint(args, lambda task: _env_for(args.env, task, fmt).tools(task))
+                return _endpoint(args, lambda task: env_for(args.env, task, fmt).tools(task))
         else:
             from keel.evaluate import model_text_policy
             from keel.models import load_model
@@ -532,9 +531,8 @@ def _fc_eval(args) -> dict:
             model, tok = load_model(policy, what="--policy")
 
             def factory(fmt):
-                return model_text_policy(model, tok, lambda task: _env_for(args.env, task, fmt).tools(task), args.max_new_tokens)
-        factory.is_policy_factory = True
-        policy = factory
+                return model_text_policy(model, tok, lambda task: env_for(args.env, task, fmt).tools(task), args.max_new_tokens)
+        policy = PolicyFactory(factory)
     if args.env == "acebench" and not args.data:
         raise UserError("eval --env acebench needs --data DIR (ACEBench's data_en directory)")
     from keel.endpoint import EndpointError

@@ -20,8 +20,8 @@ from typing import Any, Iterable
 
 from keel import metrics
 from keel.errors import UserError
-from keel.report import PALETTE, Line, escape, line_chart, load_run, page, step_files
-from keel.rundir import atomic_write_text, read_jsonl
+from keel.report import PALETTE, Line, escape, line_chart, load_run, page
+from keel.rundir import atomic_write_text, read_jsonl, step_files
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
 EXACT_BELOW = 25  # discordant pairs below this: exact binomial McNemar (chi-square is poor there)

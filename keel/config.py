@@ -611,7 +611,7 @@ def check_chat_format(cfg: Config) -> None:
     if cfg.model.chat_format != "template":
         return
     s = cfg.signals
-    gold = "its gold trajectories are built by keel.signals.ops.expert_trajectory in the Hermes layout"
+    gold = "the signals build their gold trajectories (keel.sft.gold_trajectory) in the Hermes layout"
     hermes_only = [
         (s.hint.enabled, "signals.hint", "its hint is cut out of Keel's own prompt layout, keel.rollout.encode_prompt"),
         (s.ops.enabled, "signals.ops", gold),

@@ -22,36 +22,38 @@ Where Keel departs from `torch.nn.parallel.DistributedDataParallel`:
 - Gradient clipping and the non-finite skip are decided on the *global* gradient, in `commit`,
   so every rank clips by the same factor and skips together (a rank that skipped alone would
   never join the all-reduce, and the others would wait forever). `grpo_update` must therefore
-  run with clipping switched off (`local_config(cfg)` sets grpo.max_grad_norm = inf, where
+  run with clipping switched off (`local_grpo(g)` sets max_grad_norm = inf, where
   torch's clip factor is min(1, inf) = 1: an exact no-op).
 
-Used from the training loop as (see the report of issue 7 for the exact wiring):
+Used from the training loop (keel.train.rl_step) as:
 
     ctx = init_distributed()                          # one process: rank 0 of 1, no-op
     mine = shard_groups(cfg.rollout.prompts_per_step, ctx)
     ...rollout and rewards for this rank's groups only (a group never spans ranks)...
-    sync = GradientSync(optimizer, model.parameters(), ctx, cfg.grpo.max_grad_norm)
-    n_local = loss_normaliser(trajs, adv, cfg)
-    sync.begin(n_local / all_reduce_sum([n_local], ctx)[0])
-    stats = grpo_update(model, ref, sync, trajs, adv, local_config(cfg), pad_id, temperature)
-    stats.update(sync.commit())                       # every rank, always
+    adv = advantages(rewards, groups, cfg.grpo, ctx)  # grpo.baseline=batch: one all-reduce
+    update = ShardedUpdate(optimizer, model, trajs, adv, cfg.grpo, ctx)  # GradientSync, begun
+    stats = update.finish(grpo_update(model, ref, update.optimizer, trajs, adv, update.grpo, ...))
+    sink = gather_telemetry(sink, len(trajs), ctx)    # every rank, always
     if ctx.is_main: ...write metrics, checkpoints, reports...
+The SFT warm-start's steps go through `sharded_sft_step`.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from keel import metrics as M
 from keel.errors import UserError
+from keel.losses import batch_advantages, batch_stats, group_advantages
 from keel.types import Source, Trajectory
 
 
@@ -156,11 +158,17 @@ def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
 
 
 def local_config(cfg):
-    """A copy of `cfg` for `grpo_update` under `GradientSync`: local clipping off (GradientSync
-    clips the global gradient). clip_grad_norm_ with max_norm=inf multiplies by min(1, inf)=1."""
+    """A copy of `cfg` for `grpo_update` under `GradientSync`: local clipping off (`local_grpo`)."""
     out = copy.deepcopy(cfg)
-    out.grpo.max_grad_norm = math.inf
+    out.grpo = local_grpo(cfg.grpo)
     return out
+
+
+def local_grpo(g):
+    """A copy of the GRPO section for `grpo_update` under `GradientSync`: local clipping off
+    (GradientSync clips the global gradient). clip_grad_norm_ with max_norm=inf multiplies by
+    min(1, inf)=1."""
+    return dataclasses.replace(g, max_grad_norm=math.inf)
 
 
 def broadcast_parameters(model: torch.nn.Module, ctx: DistContext) -> None:
@@ -294,3 +302,82 @@ def row_seed(seed: int, step: int, group: int, member: int) -> int:
     generator state. 64 bits of BLAKE2b over the four numbers: distinct rows get distinct seeds."""
     key = f"{seed}:{step}:{group}:{member}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1  # < 2**63
+
+
+def advantages(rewards: torch.Tensor, groups: list[int], g, ctx: DistContext) -> torch.Tensor:
+    """This rank's advantages [N] under `g.baseline` (g: the GRPO section): centred on each
+    group's mean (GRPO; a group never spans ranks, so this is local), or on the mean of the whole
+    step's batch over every rank (`batch`, one all-reduce of the sum, sum of squares and count)."""
+    if g.baseline == "batch":
+        total, total_sq, n = all_reduce_sum([float(rewards.sum()), float((rewards.float() ** 2).sum()), float(len(rewards))], ctx)
+        return batch_advantages(rewards, *batch_stats(total, total_sq, n), g.scale_by_std)
+    return group_advantages(rewards, torch.tensor(groups, dtype=torch.long), g.scale_by_std)
+
+
+class ShardedUpdate:
+    """One GRPO update under several processes, around `grpo_update`; a pass-through in one.
+
+    On creation: this rank's share of the step's global normalisers (`loss_normaliser` of the
+    loss aggregation, and of token-mean for the per-token statistics), and a `GradientSync`
+    begun with the loss share. `optimizer` and `grpo` (clipping off, `local_grpo`) are what
+    `grpo_update` takes; `finish(stats)` commits the gradient on every rank and returns the
+    global statistics (`reduce_stats`).
+    """
+
+    def __init__(self, optimizer, model: torch.nn.Module, trajectories: Sequence[Trajectory], advantages: torch.Tensor, g, ctx: DistContext):
+        self.ctx, self.optimizer, self.grpo = ctx, optimizer, g
+        if not ctx.enabled:
+            return
+        n_local = loss_normaliser(trajectories, advantages, g.loss_aggregation, g.skip_zero_advantage)
+        t_local = loss_normaliser(trajectories, advantages, "token-mean", g.skip_zero_advantage)
+        n_global, t_global = all_reduce_sum([n_local, t_local], ctx)
+        self.loss_weight = n_local / n_global if n_global else 0.0
+        self.token_weight = t_local / t_global if t_global else 0.0
+        self.any_token = bool(t_global)
+        self.optimizer, self.grpo = GradientSync(optimizer, model.parameters(), ctx, g.max_grad_norm), local_grpo(g)
+        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.begin(self.loss_weight)
+
+    def finish(self, stats: dict[str, float]) -> dict[str, float]:
+        if not self.ctx.enabled:
+            return stats
+        stats.update(self.optimizer.commit())
+        stats = reduce_stats(stats, self.loss_weight, self.token_weight, self.ctx)
+        if not self.any_token:  # nothing trained anywhere: the ratio is 1 by convention, as in one process
+            stats[M.LOSS_RATIO_MEAN] = 1.0
+        return stats
+
+
+def gather_telemetry(sink: list, n_local: int, ctx: DistContext) -> list:
+    """`grpo_update`'s telemetry rows (row index, token ids, log-probs, reference log-probs,
+    entropies) of the step's sampled rows only, not gold ones (indices < n_local), numbered as
+    one process numbers them: every rank's, in row order. Shards are equal, so rank r's rows
+    start at r·n_local."""
+    mine = [x for x in sink if x[0] < n_local]
+    if not ctx.enabled:
+        return mine
+    parts = gather_objects(mine, ctx)
+    return [(i + r * n_local, ids, lp, rp, en) for r, part in enumerate(parts) for i, ids, lp, rp, en in part]
+
+
+def sharded_sft_step(step: Callable[[Any, list, float], dict[str, float]], model: torch.nn.Module, optimizer, batch: list, ctx: DistContext,
+                     max_grad_norm: float) -> dict[str, float]:
+    """One SFT step, `step(optimizer, examples, max_grad_norm)` (keel.train.sft_step), on `batch`.
+    Under several processes each rank takes a contiguous slice of `batch` and runs `step` on it
+    through a `GradientSync` weighted by its share of the batch's target tokens; the loss is the
+    global token mean. Worked example: 5 examples on 2 ranks → rank 0 takes 3, rank 1 takes 2."""
+    if not ctx.enabled:
+        return step(optimizer, batch, max_grad_norm)
+    per = -(-len(batch) // ctx.world_size)
+    mine = batch[ctx.rank * per : (ctx.rank + 1) * per]
+    n_local = sum(sum(e.targets[1:]) for e in mine)
+    n_global = all_reduce_sum([n_local], ctx)[0]
+    weight = n_local / n_global if n_global else 0.0
+    sync = GradientSync(optimizer, model.parameters(), ctx, max_grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    sync.begin(weight)
+    stats = step(sync, mine, math.inf)
+    stats.update(sync.commit())
+    stats[M.LOSS_SFT] = all_reduce_sum([stats[M.LOSS_SFT] * weight], ctx)[0]
+    stats[M.SIGNAL_SFT_EXAMPLES] = float(len(batch))
+    return stats

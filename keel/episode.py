@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from keel.chat import extract_answer, parse_tool_calls
-from keel.types import Env, Episode, Step, Task, Trajectory
+from keel.types import Env, Episode, Step, Task, Trajectory, begin_step, episode_info, episode_parser
 
 
 @dataclass
@@ -37,10 +37,9 @@ def process_turn(episode: Episode, text: str, turn: int, parse: Callable[[str], 
     # An episode may bring its own parser (function calling reads Python-call syntax too) and
     # count steps per turn (BFCL's step limit); the KG env uses the Hermes JSON parser, or the
     # chat template family's.
-    calls = (getattr(episode, "parse", None) or parse or parse_tool_calls)(text)
+    calls = (episode_parser(episode) or parse or parse_tool_calls)(text)
     if calls:
-        if hasattr(episode, "begin_step"):
-            episode.begin_step()
+        begin_step(episode)
         steps = []
         for call in calls:
             try:
@@ -106,7 +105,5 @@ def run_text_episode(env: Env, task: Task, policy: TextPolicy, max_turns: int) -
             out.truncated = True
     finally:
         episode.close()
-        out_info = getattr(episode, "info", None)
-        if out_info:
-            out.info.update(out_info)
+        out.info.update(episode_info(episode))
     return out

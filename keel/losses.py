@@ -61,20 +61,35 @@ def batch_stats(total: float, total_sq: float, n: float) -> tuple[float, float]:
     return mean, max(var, 0.0) ** 0.5
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy.
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = logp − ref_logp per token. Shapes: [...] and [...] → [...]. Unbiased, high variance,
+    can be negative."""
+    return logp - ref_logp
 
-    k1 = logp - ref_logp (unbiased, high variance, can be negative).
-    k3 = exp(ref - logp) - (ref - logp) - 1 ≥ 0 (Schulman's low-variance estimator; verl's
-    `low_var_kl`, which clamps the log-ratio to [-20, 20] and the result to [-10, 10]; we do the same).
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(ref_logp − logp) − (ref_logp − logp) − 1 per token (Schulman's low-variance
+    estimator, verl's `low_var_kl`), ≥ 0.
+
+    Clamped as verl clamps it: the log-ratio to [−20, 20] before exp (exp(20) ≈ 4.9e8 stays
+    finite in fp32) and the result to [−10, 10], so one token with a huge ratio cannot dominate
+    a batch mean. Shapes: [...] and [...] → [...].
+    """
+    log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
+    return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy: `kl_k1` or
+    `kl_k3` by name (`grpo.kl_estimator`); the token telemetry (keel.diagnostics.telemetry) uses
+    the same two functions.
     Worked example: logp = log 0.5, ref = log 0.25 → k1 = 0.693147;
     k3 = 0.5 - (-0.693147) - 1 = 0.193147.
     """
     if kind == "k1":
-        return logp - ref_logp
+        return kl_k1(logp, ref_logp)
     if kind == "k3":
-        log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
-        return (log_ratio.exp() - log_ratio - 1.0).clamp(-10.0, 10.0)
+        return kl_k3(logp, ref_logp)
     raise ValueError(f"grpo.kl_estimator: {kind!r} is not 'k1' or 'k3'")
 
 

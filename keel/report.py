@@ -17,21 +17,17 @@ import html
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 from keel import metrics
 from keel.chat import CONTROL_TAGS, token_tag_labels
-from keel.rundir import atomic_write_text, read_jsonl
+from keel.rundir import atomic_write_text, read_jsonl, read_run
 
 # ----------------------------------------------------------------------------------------------
 # Reading a run directory
 # ----------------------------------------------------------------------------------------------
-
-STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
-
 
 def _number(value: Any) -> float | None:
     """A finite float, or None for strings, bools-as-text, NaN and inf."""
@@ -61,18 +57,6 @@ def metric_series(rows: Iterable[dict[str, Any]]) -> dict[str, list[tuple[int, f
             if number is not None:
                 by_key.setdefault(key, {})[step] = number
     return {k: sorted(v.items()) for k, v in by_key.items()}
-
-
-def step_files(folder: Path) -> dict[int, Path]:
-    """{step: path} for the `step_000010.jsonl` files of a folder (empty if it is missing)."""
-    if not folder.is_dir():
-        return {}
-    found = {}
-    for p in folder.iterdir():
-        m = STEP_FILE.match(p.name)
-        if m and p.is_file():
-            found[int(m.group(1))] = p
-    return dict(sorted(found.items()))
 
 
 @dataclass
@@ -111,7 +95,8 @@ def eval_means(path: Path) -> dict[str, float]:
 
 
 def load_run(run_dir: str | os.PathLike) -> Run:
-    """Read a run directory. Raises only if the directory itself does not exist."""
+    """Read a run directory (keel.rundir.read_run, plus config.yaml and diagnosis.json). Raises
+    only if the directory itself does not exist."""
     directory = Path(run_dir)
     if not directory.is_dir():
         raise FileNotFoundError(f"run directory {directory} does not exist or is not a directory")
@@ -119,18 +104,13 @@ def load_run(run_dir: str | os.PathLike) -> Run:
     config = directory / "config.yaml"
     if config.is_file():
         run.config_text = config.read_text(encoding="utf-8", errors="replace")
-    metrics_path = directory / "metrics.jsonl"
-    if metrics_path.is_file():
-        rows, problems = read_jsonl(metrics_path)
-        run.series = metric_series(rows)
-        run.problems += problems
-    alerts_path = directory / "alerts.jsonl"
-    if alerts_path.is_file():
-        rows, problems = read_jsonl(alerts_path)
-        run.alerts = [r for r in rows if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
-        run.problems += problems
-        if len(rows) > len(run.alerts):
-            run.problems.append(f"alerts.jsonl: {len(rows) - len(run.alerts)} alert(s) without an integer step, skipped")
+    files = read_run(directory)
+    run.series = metric_series(files.metrics)
+    run.problems += files.problems["metrics.jsonl"]
+    run.alerts = [r for r in files.alerts if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
+    run.problems += files.problems["alerts.jsonl"]
+    if len(files.alerts) > len(run.alerts):
+        run.problems.append(f"alerts.jsonl: {len(files.alerts) - len(run.alerts)} alert(s) without an integer step, skipped")
     diagnosis_path = directory / "diagnosis.json"
     if diagnosis_path.is_file():
         try:
@@ -141,8 +121,7 @@ def load_run(run_dir: str | os.PathLike) -> Run:
                 run.problems.append("diagnosis.json: not a JSON object, ignored")
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             run.problems.append(f"diagnosis.json: not JSON ({type(exc).__name__}), ignored")
-    run.samples = step_files(directory / "samples")
-    run.evals = step_files(directory / "eval")
+    run.samples, run.evals = files.samples, files.evals
     # Eval steps whose means never reached metrics.jsonl (a crash between the eval and the log
     # line) are recomputed from the per-question files, so the curves have every eval point.
     for step, path in run.evals.items():

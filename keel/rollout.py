@@ -38,7 +38,7 @@ from keel.decode import LeanDecoder
 from keel.episode import process_turn
 from keel.logprobs import common_prefix_len
 from keel.templates import ChatTemplate, Conversation
-from keel.types import Env, Source, Task, Trajectory
+from keel.types import Env, Source, Task, Trajectory, episode_info
 
 import json
 
@@ -505,7 +505,7 @@ def rollout(
         for r in rows:
             try:
                 r.episode.close()
-                r.traj.info.update(getattr(r.episode, "info", None) or {})  # e.g. BFCL's checker_valid
+                r.traj.info.update(episode_info(r.episode))  # e.g. BFCL's checker_valid
             except Exception as exc:  # a failing close must not lose the batch
                 r.traj.info["close_error"] = f"{type(exc).__name__}: {exc}"
         if was_training:

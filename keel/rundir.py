@@ -7,6 +7,9 @@ Atomicity: whole files go through a temp file + fsync + os.replace; JSONL lines 
 with one write + flush + fsync each, and readers skip a torn last line. A checkpoint is
 written into a temp directory and swapped in with renames, so a kill mid-write leaves the
 previous checkpoint loadable.
+
+Reading one back: `read_run` (the logs and the per-step files, leniently), which the report,
+`keel compare` and `keel diagnose` all start from.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -347,6 +352,46 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
             continue
         rows.append(obj)
     return rows, problems
+
+
+STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
+
+
+def step_files(folder: Path) -> dict[int, Path]:
+    """{step: path} for the `step_000010.jsonl` files of a folder, by step (empty if it is missing)."""
+    if not folder.is_dir():
+        return {}
+    found = {}
+    for p in folder.iterdir():
+        m = STEP_FILE.match(p.name)
+        if m and p.is_file():
+            found[int(m.group(1))] = p
+    return dict(sorted(found.items()))
+
+
+@dataclass
+class RunFiles:
+    """What a run directory's logs hold, read leniently (`read_jsonl`: a torn or garbage line is
+    skipped and named in `problems`). Readers derive their own views from it: the report's metric
+    curves (keel.report), the failure-mode signals (keel.diagnostics.classify)."""
+
+    directory: Path
+    metrics: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl's objects, in file order
+    alerts: list[dict[str, Any]] = field(default_factory=list)  # alerts.jsonl's objects, in file order
+    samples: dict[int, Path] = field(default_factory=dict)  # samples/step_N.jsonl by step (read on demand: they are large)
+    evals: dict[int, Path] = field(default_factory=dict)  # eval/step_N.jsonl by step
+    problems: dict[str, list[str]] = field(default_factory=dict)  # "metrics.jsonl" / "alerts.jsonl" -> skipped lines
+
+
+def read_run(run_dir: str | os.PathLike) -> RunFiles:
+    """The logs of a run directory and its per-step files; missing parts stay empty."""
+    directory = Path(run_dir)
+    run = RunFiles(directory)
+    run.metrics, run.problems["metrics.jsonl"] = read_jsonl(directory / "metrics.jsonl")
+    run.alerts, run.problems["alerts.jsonl"] = read_jsonl(directory / "alerts.jsonl")
+    run.samples = step_files(directory / "samples")
+    run.evals = step_files(directory / "eval")
+    return run
 
 
 def parse_jsonl(lines: Iterable[str], path: Path) -> Iterator[tuple[int, Any]]:

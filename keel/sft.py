@@ -12,6 +12,9 @@ gold turn's text encoded on its own and closed with <|im_end|>, each tool respon
 the real environment, so SFT trains exactly the token layout the policy will sample in. With the
 model's own chat template (`chat`, keel.templates) the same holds in its layout: its prompt, the
 gold calls written in its family's format and closed by its end-of-turn token, its deltas.
+`gold_trajectory` is the one builder: the SFT warm-start, the `keel data check` replay and the
+supervision signals (the SFT pool, ETS, OPS members; keel.signals) all take theirs from it, the
+signals through one cache per run (`cached_gold_trajectory`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from keel.chat import IM_END, render_assistant_calls, render_tool_responses, ren
 from keel.episode import process_turn
 from keel.rollout import encode_prompt
 from keel.templates import ChatTemplate
-from keel.types import Env, Source, Task, Trajectory
+from keel.types import Env, Source, Task, Trajectory, env_call_format, episode_info, is_function_calling
 
 
 def gold_turn_texts(task: Task, render_calls: Callable[[list[dict[str, Any]]], str] = render_assistant_calls) -> list[str]:
@@ -33,14 +36,14 @@ def gold_turn_texts(task: Task, render_calls: Callable[[list[dict[str, Any]]], s
     <tool_call> blocks; a chat template's family writes its own, keel.templates).
 
     - `meta["gold_texts"]` when a loader wrote full texts;
-    - function calling (BFCL layout, `meta["ground_truth"]`): per user turn, one message with
+    - function calling (`keel.types.is_function_calling`): per user turn, one message with
       all its gold calls and then a closing message without calls (a turn whose gold is `[]`
       is answered in prose) — exactly what `keel.fc.policies.make_oracle` sends;
     - KG: one turn per `gold_turns` entry (its calls) plus a final `<answer>` turn.
     """
     if task.meta.get("gold_texts"):
         return list(task.meta["gold_texts"])
-    if "ground_truth" in task.meta:
+    if is_function_calling(task):
         from keel.fc.policies import DONE_TEXT
 
         texts = []
@@ -54,12 +57,30 @@ def gold_turn_texts(task: Task, render_calls: Callable[[list[dict[str, Any]]], s
     return texts
 
 
+def gold_texts(task: Task, env: Env | None = None) -> list[str]:
+    """Assistant texts of the gold trajectory in `env`: `gold_turn_texts` (KG: a turn of calls
+    per gold turn, then `<answer>`; function calling: per user turn its gold calls, then the
+    closing text of Keel's oracle), with the calls in the env's call format when it is not
+    Hermes JSON (BfclEnv("python") / ("python_tagged"), the format-OOD axis)."""
+    fmt = env_call_format(env)
+    if not is_function_calling(task) and not task.answers and not task.meta.get("gold_texts"):
+        raise ValueError(f"task {task.id!r}: no gold answer, so no gold trajectory")
+    if fmt == "json" or task.meta.get("gold_texts") or not is_function_calling(task):
+        return gold_turn_texts(task)
+    from keel.fc.parse import render_calls
+
+    return gold_turn_texts(task, lambda calls: render_calls(calls, fmt))
+
+
 def gold_trajectory(tokenizer, env: Env, task: Task, source: int = Source.EXPERT, hint: str | None = None,
                     chat: ChatTemplate | None = None) -> Trajectory:
-    """The gold episode as a Trajectory whose assistant tokens carry `source` (EXPERT by default).
+    """The gold episode as a Trajectory whose assistant tokens carry `source` (EXPERT by default),
+    for KG and function calling; its texts are `gold_texts` (the env's call format).
 
     Tool responses come from executing the gold calls in `env`, so a gold trajectory is also a
-    check that the gold path works there (`info["gold_ok"]` is False if a gold call failed).
+    check that the gold path works there: `info["gold_ok"]` is False if a gold call failed or,
+    for function calling, BFCL's checker refused it (`info["checker_valid"]`), so rewards score
+    it like a rollout; `info["expert"]` is True.
     `chat`: render it with the model's own template, as `rollout(chat=...)` renders an episode
     (a gold turn the template does not reproduce ends it, `gold_ok` False). Hints are Hermes-only.
     """
@@ -79,7 +100,7 @@ def gold_trajectory(tokenizer, env: Env, task: Task, source: int = Source.EXPERT
     episode = env.start(task)
     gold_ok = True
     try:
-        texts = gold_turn_texts(task) if chat is None else gold_turn_texts(task, chat.render_calls)
+        texts = gold_texts(task, env) if chat is None else gold_turn_texts(task, chat.render_calls)
         for turn, text in enumerate(texts):
             turn_ids = tokenizer.encode(text, add_special_tokens=False) + [eos]
             start = len(ids)
@@ -111,9 +132,22 @@ def gold_trajectory(tokenizer, env: Env, task: Task, source: int = Source.EXPERT
     finally:
         episode.close()
     tr.token_ids, tr.sources, tr.logprobs = ids, [int(s) for s in sources], logprobs
-    tr.info.update(getattr(episode, "info", None) or {})  # e.g. BFCL's checker_valid
+    tr.info.update(episode_info(episode))  # e.g. BFCL's checker_valid
     tr.info["gold_ok"] = gold_ok and tr.info.get("checker_valid", True)
+    tr.info["expert"] = True
     return tr
+
+
+def cached_gold_trajectory(tokenizer, env: Env, task: Task, cache: dict[str, Trajectory] | None) -> Trajectory:
+    """`gold_trajectory(tokenizer, env, task)` from `cache` (task id -> trajectory) when it is
+    there, else built (and kept when there is a cache). Gold trajectories are deterministic, so a
+    cache is not state a checkpoint keeps: one per run (keel.signals.state.SignalState.gold_cache)."""
+    gold = cache.get(task.id) if cache is not None else None
+    if gold is None:
+        gold = gold_trajectory(tokenizer, env, task)
+        if cache is not None:
+            cache[task.id] = gold
+    return gold
 
 
 @dataclass

@@ -15,7 +15,8 @@ equal are skipped when `grpo.skip_zero_advantage` (their policy-gradient term is
 
 Reading order: `train` (the run directory) → `loop` (the phases) → `sft_phase` / `rl_phase` →
 `rl_step` → `grpo_update`. The run's objects are a plain keel.run.Run; checkpoints, resume and
-rollback are keel.checkpoint; the metrics line is keel.diagnostics.step_metrics.
+rollback are keel.checkpoint; the metrics line is keel.diagnostics.step_metrics; what changes
+under several processes (sharded updates, global advantages and telemetry) is keel.distributed.
 """
 
 from __future__ import annotations
@@ -31,20 +32,21 @@ from keel import checkpoint
 from keel import metrics as M
 from keel.config import Config, GRPOConfig
 from keel.diagnostics.step_metrics import rl_step_metrics
-from keel.distributed import (DistContext, GradientSync, all_reduce_sum, broadcast_object, gather_objects, init_distributed, local_config,
-                              loss_normaliser, reduce_stats, row_seed, shard_groups)
+from keel.distributed import (DistContext, ShardedUpdate, advantages, all_reduce_sum, gather_objects, gather_telemetry, init_distributed, row_seed,
+                              shard_groups, sharded_sft_step)
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
-from keel.losses import aggregate, batch_advantages, batch_stats, clipped_surrogate, group_advantages, kl_estimate
+from keel.losses import aggregate, clipped_surrogate, kl_estimate
 from keel.memory import release_free_memory
 from keel.models import autocast_context, copy_weights, make_optimizer, reference_network
-from keel.rewards import score
+from keel.rewards import resolve_reward, score
 from keel.rollout import SamplingParams, rollout
 from keel.run import (Run, check_distributed_config, evaluate, evaluate_rl, finish, handle_alerts, interrupted_anywhere, log, make_reference,
-                      next_batch, progress_bar, refresh_report, run_directory, say, start, warm_start_examples)
+                      next_batch, progress_bar, refresh_report, run_directory, start, warm_start_examples)
 from keel.rundir import RunDirError
 from keel.sft import SFTExample
-from keel.signals.schedule import supervision_backward
-from keel.types import Source, Trajectory
+from keel.signals.ops import expert_members, group_with_experts, sampled_rows
+from keel.signals.schedule import run_phase, supervision_backward
+from keel.types import Source, Trajectory, close_env
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,21 +71,9 @@ def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad
 # ---------------------------------------------------------------------------------------------
 # GRPO update
 # ---------------------------------------------------------------------------------------------
-def grpo_update(
-    model,
-    ref_model,
-    optimizer,
-    trajectories: list[Trajectory],
-    advantages: torch.Tensor,
-    g: GRPOConfig,
-    pad_id: int,
-    temperature: float,
-    telemetry_sink: list | None = None,
-    old_from_policy: Sequence[bool] | None = None,
-    extra_losses: list[tuple[str, float, list]] = (),
-    autocast: bool = False,
-    max_tokens: int = 0,
-) -> dict[str, float]:
+def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], advantages: torch.Tensor, g: GRPOConfig, pad_id: int, temperature: float,
+                telemetry_sink: list | None = None, old_from_policy: Sequence[bool] | None = None, extra_losses: list[tuple[str, float, list]] = (),
+                autocast: bool = False, max_tokens: int = 0) -> dict[str, float]:
     """One optimizer step of the GRPO loss over the trajectories (gradient-accumulated).
 
     Loss = aggregate(clipped surrogate) + g.kl_coef · aggregate(KL(policy || reference)), both
@@ -191,15 +181,6 @@ def grpo_update(
     return stats
 
 
-def advantages(rewards: torch.Tensor, groups: list[int], g, ctx) -> torch.Tensor:
-    """This rank's advantages under `grpo.baseline`: centred on each group's mean (GRPO), or on
-    the mean of the whole step's batch over every rank (`batch`, one all-reduce)."""
-    if g.baseline == "batch":
-        total, total_sq, n = all_reduce_sum([float(rewards.sum()), float((rewards.float() ** 2).sum()), float(len(rewards))], ctx)
-        return batch_advantages(rewards, *batch_stats(total, total_sq, n), g.scale_by_std)
-    return group_advantages(rewards, torch.tensor(groups, dtype=torch.long), g.scale_by_std)
-
-
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
@@ -210,8 +191,6 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
     `lock`: the caller's keel.rundir.RunDirLock on `out_dir` (else, in one process, this call
     takes one for the run and, if the run fails before logging a step, deletes what it created). `prepared`:
     (env, train tasks, dev tasks) the caller already loaded (else keel.tasks.prepare)."""
-    from keel.rewards import resolve_reward
-
     ctx = ctx if ctx is not None else init_distributed()
     out_dir = Path(out_dir)
     if ctx.enabled:
@@ -224,21 +203,14 @@ def train(cfg: Config, out_dir: Path, resume: bool = False, ctx: DistContext | N
         try:
             return loop(run, resume)
         finally:
-            close_env = getattr(run.env, "close", None)  # e.g. stop an MCP tool server
-            if callable(close_env):
-                close_env()
+            close_env(run.env)  # e.g. stop an MCP tool server
 
 
 def loop(run: Run, resume: bool) -> dict[str, Any]:
     """The run, top to bottom (from where a resumed one stopped); returns summary.json's content."""
-    cfg, ctx = run.cfg, run.ctx
-    has_checkpoint = checkpoint.complete_checkpoint(run.run_dir / "checkpoints" / "latest") is not None if ctx.is_main else None
-    if resume and broadcast_object(has_checkpoint, ctx):  # rank 0 decides (and mends a half-swapped one)
-        checkpoint.restore(run)
-        say(run, f"[keel] resumed {run.run_dir} at step {run.progress.step} ({run.progress.phase})")
-    elif resume:  # killed before its first checkpoint was complete: start over in the same directory
-        checkpoint.restart(run.run_dir, ctx)
-        say(run, f"[keel] {run.run_dir} has no complete checkpoint yet: starting it again from step 0")
+    cfg = run.cfg
+    if resume:
+        checkpoint.resume(run)  # from checkpoints/latest, or from step 0 if it was never complete
     p = run.progress
     # 1. the untrained model
     if p.phase == "start":
@@ -280,13 +252,18 @@ def sft_phase(run: Run) -> bool:
     """SFT steps until sft.steps are done; False if interrupted (checkpointed)."""
     cfg, p = run.cfg, run.progress
     examples = warm_start_examples(run)
+
+    def step(optimizer, part: list[SFTExample], max_grad_norm: float) -> dict[str, float]:  # one SFT step on this rank's part of a batch
+        return sft_step(run.model, optimizer, part, run.pad_id, max_grad_norm, autocast=cfg.model.autocast,
+                        max_tokens=cfg.model.max_tokens_per_micro_batch)
+
     bar = progress_bar(cfg.sft.steps, "sft", cfg.run.progress and run.ctx.is_main)
     bar.update(p.sft_done)
     while p.sft_done < cfg.sft.steps:
         p.step += 1
         batch = [examples[i] for i in next_batch(run, p.sft_order, cfg.sft.batch_size, len(examples))]
         t0 = time.time()
-        stats = sft_update(run, batch)
+        stats = sharded_sft_step(step, run.model, run.optimizer, batch, run.ctx, cfg.grpo.max_grad_norm)  # keel.distributed
         run.scheduler.step()
         run.model.zero_grad(set_to_none=True)  # no gradient lives between steps (~0.5 GB for SmolLM2)
         p.sft_done += 1
@@ -301,28 +278,6 @@ def sft_phase(run: Run) -> bool:
             return False
     bar.close()
     return True
-
-
-def sft_update(run: Run, batch: list[SFTExample]) -> dict[str, float]:
-    """One SFT step on `batch`; under several processes each rank takes a contiguous slice
-    and the gradients are combined with token weights (keel.distributed.GradientSync)."""
-    cfg, ctx = run.cfg, run.ctx
-    if not ctx.enabled:
-        return sft_step(run.model, run.optimizer, batch, run.pad_id, cfg.grpo.max_grad_norm, autocast=cfg.model.autocast,
-                        max_tokens=cfg.model.max_tokens_per_micro_batch)
-    per = -(-len(batch) // ctx.world_size)
-    mine = batch[ctx.rank * per : (ctx.rank + 1) * per]
-    n_local = sum(sum(e.targets[1:]) for e in mine)
-    n_global = all_reduce_sum([n_local], ctx)[0]
-    weight = n_local / n_global if n_global else 0.0
-    sync = GradientSync(run.optimizer, run.model.parameters(), ctx, cfg.grpo.max_grad_norm)
-    run.optimizer.zero_grad(set_to_none=True)
-    sync.begin(weight)
-    stats = sft_step(run.model, sync, mine, run.pad_id, math.inf, autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
-    stats.update(sync.commit())
-    stats[M.LOSS_SFT] = all_reduce_sum([stats[M.LOSS_SFT] * weight], ctx)[0]
-    stats[M.SIGNAL_SFT_EXAMPLES] = float(len(batch))
-    return stats
 
 
 def rl_phase(run: Run) -> bool:
@@ -361,8 +316,6 @@ def rl_phase(run: Run) -> bool:
 def supervision_phase(run: Run, phase) -> None:
     """Paper A's interleaved paradigm: `epochs` of supervision (own optimizer and lr) between
     RL steps; each supervision step is one metrics line with phase "sft"."""
-    from keel.signals.schedule import run_phase
-
     cfg = run.cfg
     examples = [e for k in phase.sources for e in run.signals.supervision_pool(k)]
     if not examples:
@@ -384,8 +337,6 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     combined with token weights, and the trajectories are gathered so every rank computes
     the same metrics line and the detectors take the same decisions.
     """
-    from keel.signals.ops import expert_members, group_with_experts, sampled_rows
-
     cfg, p, ctx, signals = run.cfg, run.progress, run.ctx, run.signals
     s, g = cfg.signals, cfg.grpo
     t0 = time.time()
@@ -424,28 +375,11 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     t1 = time.time()
     old_from_policy = signals.old_from_policy(members, other_sampler=run.sampler is not run.model or cfg.model.autocast)
     sink: list = []
-    optimizer = run.optimizer
-    if ctx.enabled:  # this rank's share of the global normalisers weighs its gradient (GradientSync)
-        n_local = loss_normaliser(members, adv, g.loss_aggregation, g.skip_zero_advantage)
-        t_local = loss_normaliser(members, adv, "token-mean", g.skip_zero_advantage)
-        n_global, t_global = all_reduce_sum([n_local, t_local], ctx)
-        optimizer = GradientSync(run.optimizer, run.model.parameters(), ctx, g.max_grad_norm)
-        run.optimizer.zero_grad(set_to_none=True)
-        optimizer.begin(n_local / n_global if n_global else 0.0)
-    stats = grpo_update(run.model, run.ref_model, optimizer, members, adv, local_config(cfg).grpo if ctx.enabled else g, run.pad_id,
-                        cfg.rollout.temperature, telemetry_sink=sink, old_from_policy=old_from_policy, extra_losses=extra,
-                        autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
-    if ctx.enabled:
-        stats.update(optimizer.commit())
-        stats = reduce_stats(stats, n_local / n_global if n_global else 0.0, t_local / t_global if t_global else 0.0, ctx)
-        if not t_global:  # nothing trained anywhere: the ratio is 1 by convention, as in one process
-            stats[M.LOSS_RATIO_MEAN] = 1.0
-        # telemetry rows of every rank, numbered as one process numbers them (row order)
-        # sampled rows only, not gold ones; shards are equal, so rank r's rows start at r·len(local)
-        parts = gather_objects([x for x in sink if x[0] < len(local)], ctx)
-        sink = [(i + r * len(local), ids, lp, rp, en) for r, part in enumerate(parts) for i, ids, lp, rp, en in part]
-    else:
-        sink = [x for x in sink if x[0] < len(trajs)]  # KL telemetry on sampled tokens, not gold ones
+    update = ShardedUpdate(run.optimizer, run.model, members, adv, g, ctx)  # one process: run.optimizer and g as they are
+    stats = update.finish(grpo_update(run.model, run.ref_model, update.optimizer, members, adv, update.grpo, run.pad_id, cfg.rollout.temperature,
+                                      telemetry_sink=sink, old_from_policy=old_from_policy, extra_losses=extra,
+                                      autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch))
+    sink = gather_telemetry(sink, len(local), ctx)  # KL telemetry on the sampled rows of every rank, not gold ones
     run.scheduler.step()
     run.model.zero_grad(set_to_none=True)  # the rollout and evaluations that follow need no gradients
     copy_weights(run.sampler, run.model)

@@ -1,4 +1,4 @@
-"""The few concepts Keel is built from: Task, ToolCall, Observation, Step, Trajectory, Env.
+"""The few concepts Keel is built from: Task, ToolCall, Observation, Step, Trajectory, Env, Episode.
 
 Every other module speaks in these types. A Trajectory is token-in/token-out: `token_ids`
 are exactly the ids the policy sampled (plus the prompt and tool text spliced in between),
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 class Source(IntEnum):
@@ -73,6 +73,16 @@ class Task:
             kind=d.get("kind", ""),
             meta=d.get("meta", {}),
         )
+
+
+def is_function_calling(task: Task) -> bool:
+    """A function-calling task: its gold is the calls of each user turn (`gold_turns[t]`, `[]` for
+    a turn answered in prose), an episode succeeds by a checker's verdict (`info["checker_valid"]`)
+    and there is no answer text. The loaders mark it: BFCL (multi- and single-turn) and fc_learn
+    put BFCL's entry in `meta["entry"]`; BFCL multi-turn, fc_learn and ACEBench the ground truth
+    in `meta["ground_truth"]`. Every other task (KG, tools, MCP) is a question answered in text.
+    The one test of "is this function calling?"; the tasks Keel trains on (fc_learn) carry both."""
+    return "ground_truth" in task.meta or isinstance(task.meta.get("entry"), dict)
 
 
 @dataclass
@@ -240,9 +250,19 @@ def _observation(d: dict[str, Any]) -> Observation:
 class Episode(Protocol):
     """The environment's side of one episode. Created by `Env.start(task)`.
 
-    The rollout engine calls `execute` for each parsed call of an assistant turn, and
-    `next_user_message` when an assistant turn has no call (None ends the episode).
-    `close` releases any per-episode state (simulators, caches).
+    Required: the rollout engine calls `execute` for each parsed call of an assistant turn,
+    `next_user_message` when an assistant turn has no call (None ends the episode), and `close`
+    at the end (release simulators, caches; a checker may judge the episode here).
+
+    Optional — an episode may define them; the engine reads them through the functions below
+    this class, which give the default when one is absent:
+    - `parse(text) -> list[ToolCall]`: the episode's own call parser (function calling reads
+      Python-call syntax too); default: the chat format's (Keel's Hermes <tool_call> JSON, or
+      the model template family's). `episode_parser(episode)`.
+    - `begin_step()`: called once per assistant turn that has calls, before they execute
+      (BFCL's step limit counts turns); default: nothing. `begin_step(episode)`.
+    - `info: dict`: read after `close`, merged into the trajectory's `info` (BFCL's
+      `checker_valid`, which the function-calling rewards read); default: {}. `episode_info(episode)`.
     """
 
     def execute(self, call: ToolCall) -> Observation: ...
@@ -252,8 +272,34 @@ class Episode(Protocol):
     def close(self) -> None: ...
 
 
+def episode_parser(episode: Episode) -> Callable[[str], list[ToolCall]] | None:
+    """The episode's own call parser, None when it has none (the caller's format parses)."""
+    return getattr(episode, "parse", None)
+
+
+def begin_step(episode: Episode) -> None:
+    """Tell the episode an assistant turn with calls begins (a no-op for most envs)."""
+    begin = getattr(episode, "begin_step", None)
+    if begin is not None:
+        begin()
+
+
+def episode_info(episode: Episode) -> dict[str, Any]:
+    """What the episode reported (after `close`); {} when it reports nothing."""
+    return dict(getattr(episode, "info", None) or {})
+
+
 class Env(Protocol):
-    """A tool environment: its tool schemas, how a task is presented, and episodes."""
+    """A tool environment: its tool schemas, how a task is presented, and episodes.
+
+    Required: `name`, `tools`, `system_prompt`, `user_message`, `start`.
+    Optional, read through the functions below this class with their defaults:
+    - `call_format: str`: how calls are written — "json" (Hermes <tool_call> JSON, the default),
+      "python" or "python_tagged" (BFCL's format-OOD axis); gold texts, hints and reflections
+      write calls in it. `env_call_format(env)`.
+    - `close()`: release what the env holds for the whole run (an MCP tool server's process),
+      called once when the run or evaluation ends; default: nothing. `close_env(env)`.
+    """
 
     name: str
 
@@ -270,3 +316,15 @@ class Env(Protocol):
         ...
 
     def start(self, task: Task) -> Episode: ...
+
+
+def env_call_format(env: Env | None) -> str:
+    """The env's call format; "json" when it declares none (or there is no env)."""
+    return getattr(env, "call_format", "json") if env is not None else "json"
+
+
+def close_env(env: Env | None) -> None:
+    """Release what the env holds for the run, if it holds anything (`Env.close`)."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()

@@ -34,7 +34,7 @@ import torch
 from keel.chat import IM_END, render_tool_responses, render_user_turn
 from keel.episode import process_turn
 from keel.rollout import SamplingParams, encode_prompt
-from keel.types import Env, Source, Task, Trajectory
+from keel.types import Env, Source, Task, Trajectory, episode_info
 
 
 class VLLMBackend:
@@ -142,7 +142,7 @@ class VLLMBackend:
             for tr, episode in rows:
                 try:
                     episode.close()
-                    tr.info.update(getattr(episode, "info", None) or {})
+                    tr.info.update(episode_info(episode))
                 except Exception as exc:  # a failing close must not lose the batch
                     tr.info["close_error"] = f"{type(exc).__name__}: {exc}"
         elapsed = time.perf_counter() - t0

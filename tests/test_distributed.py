@@ -248,7 +248,7 @@ def test_gradient_sync_rejects_bad_weight(tiny):
 
 def _advantage_worker(rank, world, port, rewards, groups, group_size, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
-    from keel.train import advantages
+    from keel.distributed import advantages
 
     ctx = init_distributed()
     try:
@@ -264,7 +264,7 @@ def _advantage_worker(rank, world, port, rewards, groups, group_size, out_dir):
 def test_batch_baseline_is_one_baseline_over_all_ranks(tmp_path):
     """grpo.baseline=batch on two ranks: each rank's advantages are those of one process over the
     whole batch (the mean and std are all-reduced), not of its own half."""
-    from keel.train import advantages
+    from keel.distributed import advantages
 
     rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # group 0 all success, group 1 one of four
     groups = [0, 0, 0, 0, 1, 1, 1, 1]

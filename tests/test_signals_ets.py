@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from keel.signals.ets import ETSBuffer
-from keel.signals.ops import expert_trajectory
-from keel.sft import decompose
+from keel.sft import decompose, gold_trajectory
 from keel.types import Source
 from test_signals_ops import KG_ENV, kg_task
 
@@ -69,7 +68,7 @@ def test_sft_examples_are_the_gold_single_steps(tiny):
     buf = ETSBuffer()
     buf.observe(1, ["t0", "broken"], [[0.0], [0.0]])
     examples = buf.sft_examples(tok, KG_ENV, {"t0": good, "broken": broken})
-    gold = expert_trajectory(tok, KG_ENV, good)
+    gold = gold_trajectory(tok, KG_ENV, good)
     want = decompose(gold)
     assert len(examples) == 3  # two call turns + the answer turn; the broken gold gives none
     assert [(e.token_ids, e.targets, e.turn) for e in examples] == [(w.token_ids, w.targets, w.turn) for w in want]

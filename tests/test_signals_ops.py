@@ -13,7 +13,8 @@ from keel.kg.env import KGEnv
 from keel.kg.store import MemoryStore
 from keel.rewards import fc_binary, r_binary
 from keel.rollout import SamplingParams, rollout
-from keel.signals.ops import as_expert, expert_members, expert_trajectory, gold_steer, gold_texts, group_with_experts, sampled_rows
+from keel.sft import gold_texts, gold_trajectory
+from keel.signals.ops import as_expert, expert_members, gold_steer, group_with_experts, sampled_rows
 from keel.types import Source, Task, Trajectory
 
 TRIPLES = [
@@ -110,7 +111,7 @@ def test_expert_trajectory_function_calling_is_scored_by_bfcl(tiny):
         '<tool_call>\n{"name": "multiply", "arguments": {"a": 150, "b": 8}}\n</tool_call>',
         "I have finished the requested operations.",
     ]
-    gold = expert_trajectory(tok, env, task)
+    gold = gold_trajectory(tok, env, task)
     assert gold.info["gold_ok"] and gold.info["checker_valid"] is True and gold.finished
     assert fc_binary(gold, task) == (1.0, {"valid": 1.0})
     assert [s.observation.text for s in gold.steps] == ['{"result": 150}', '{"result": 1200}']
@@ -127,7 +128,7 @@ def test_replace_equals_every_turn_overwritten_by_gold(tiny, kind):
     rows = [task, task]
     params = SamplingParams(temperature=1.0, max_turns=6, max_new_tokens=64, max_total_tokens=4096)
     out = rollout(model, tok, env, rows, params, generator=torch.Generator().manual_seed(0), steer=gold_steer(tok, env, rows, [0]), groups=[0, 0])
-    gold = expert_trajectory(tok, env, task)
+    gold = gold_trajectory(tok, env, task)
     replaced = as_expert(out[0])
     assert replaced.token_ids == gold.token_ids
     assert replaced.sources == gold.sources

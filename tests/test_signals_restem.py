@@ -78,9 +78,9 @@ def test_self_distillation_targets_are_the_episode_own_tokens(tiny):
 
 def test_trajectories_file_round_trip_and_errors(tmp_path, tiny):
     _, tok = tiny
-    from keel.signals.ops import expert_trajectory
+    from keel.sft import gold_trajectory
 
-    gold = expert_trajectory(tok, KG_ENV, kg_task())
+    gold = gold_trajectory(tok, KG_ENV, kg_task())
     path = tmp_path / "kept.jsonl"
     write_trajectories(path, [gold, gold])
     back = read_trajectories(path)

@@ -8,9 +8,8 @@ import random
 import pytest
 import torch
 
-from keel.signals.ops import expert_trajectory
 from keel.signals.schedule import Schedule, SignalsConfig, SupervisionPhase, run_phase, sample_examples, signals_from_dict, supervision_backward
-from keel.sft import decompose
+from keel.sft import decompose, gold_trajectory
 from test_signals_ops import KG_ENV, kg_task
 
 
@@ -73,7 +72,7 @@ def test_signals_from_dict_coerces_int_to_float():
 
 
 def _examples(tok):
-    return decompose(expert_trajectory(tok, KG_ENV, kg_task()))  # 3 single-step examples
+    return decompose(gold_trajectory(tok, KG_ENV, kg_task()))  # 3 single-step examples
 
 
 def test_supervision_backward_is_weighted_nll(tiny):

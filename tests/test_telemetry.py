@@ -13,12 +13,11 @@ from keel.diagnostics.telemetry import (
     ControlFrequencyBaseline,
     control_tag_frequency,
     kl_by_class,
-    kl_k1,
-    kl_k3,
     token_entropy,
     token_telemetry,
     tool_call_tag_balance,
 )
+from keel.losses import kl_k1, kl_k3
 
 
 def test_k1_k3_by_hand_and_clamp():

@@ -31,7 +31,6 @@ signal families that were there to look at.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -55,37 +54,28 @@ from keel.metrics import (
     TOOLS_PER_QUESTION,
 )
 from keel.rewards import is_empty_observation, returned_entities
-from keel.rundir import atomic_write_text, read_jsonl
+from keel.rundir import atomic_write_text, read_jsonl, read_run
 from keel.types import Trajectory
 
 MODES = ("healthy", "control_token_collapse", "sparse_format_collapse", "ritual", "format_drift", "spec_gaming_cliff")
 # Tie-break among modes with equal scores: the more specific signature first.
 PRIORITY = ("spec_gaming_cliff", "control_token_collapse", "format_drift", "sparse_format_collapse", "ritual")
 TAIL_FRACTION = 0.2  # "late" / "early" = the last / first 20% of logged steps
-_STEP_FILE = re.compile(r"step_(\d+)\.jsonl$")
 
 
 # --- reading ------------------------------------------------------------------------------------
 
 
-def _step_files(folder: Path) -> list[tuple[int, Path]]:
-    if not folder.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP_FILE.search(p.name)))
-
-
 class RunData:
-    """Everything `diagnose` reads from a run directory."""
+    """Everything `diagnose` reads from a run directory (keel.rundir.read_run), samples parsed."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.bad_lines: dict[str, int] = {}
-        metrics, bad = read_jsonl(run_dir / "metrics.jsonl")
-        self.bad_lines["metrics.jsonl"] = len(bad)
-        self.metrics = sorted((m for m in metrics if isinstance(m.get("step"), (int, float)) and not isinstance(m.get("step"), bool)), key=lambda m: m["step"])
-        self.alerts, bad = read_jsonl(run_dir / "alerts.jsonl")
-        self.bad_lines["alerts.jsonl"] = len(bad)
+        files = read_run(run_dir)
+        self.bad_lines: dict[str, int] = {name: len(problems) for name, problems in files.problems.items()}
+        self.metrics = sorted((m for m in files.metrics if isinstance(m.get("step"), (int, float)) and not isinstance(m.get("step"), bool)), key=lambda m: m["step"])
+        self.alerts = files.alerts
         self.samples: dict[int, list[Trajectory]] = {}
-        for step, path in _step_files(run_dir / "samples"):
+        for step, path in files.samples.items():
             rows, bad = read_jsonl(path)
             trajs = []
             for row in rows:
@@ -97,7 +87,7 @@ class RunData:
             if trajs:
                 self.samples[step] = trajs
         self.evals: dict[int, list[dict[str, Any]]] = {}
-        for step, path in _step_files(run_dir / "eval"):
+        for step, path in files.evals.items():
             rows, bad = read_jsonl(path)
             self.bad_lines[f"eval/{path.name}"] = len(bad)
             rows = [r for r in rows if isinstance(r.get("em"), (int, float))]

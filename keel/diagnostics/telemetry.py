@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from keel.chat import CONTROL_TAGS, find_tag_spans
+from keel.losses import kl_k1, kl_k3  # the one definition of each KL estimator
 from keel.metrics import (
     KL_CONTROL_SHARE,
     KL_K1_MEAN,
@@ -34,23 +35,6 @@ from keel.metrics import (
 )
 
 TEXT_CLASS = "text"  # the class of tokens that are not part of a control tag
-
-
-def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k1 = logp − ref_logp per token. Shapes: [...] and [...] → [...]. Unbiased, high variance,
-    can be negative."""
-    return logp - ref_logp
-
-
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 = exp(ref_logp − logp) − (ref_logp − logp) − 1 per token (verl's `low_var_kl`), ≥ 0.
-
-    Clamped as verl clamps it: the log-ratio to [−20, 20] before exp (exp(20) ≈ 4.9e8 stays
-    finite in fp32) and the result to [−10, 10], so one token with a huge ratio cannot dominate
-    a batch mean. Shapes: [...] and [...] → [...].
-    """
-    log_ratio = torch.clamp(ref_logp - logp, min=-20.0, max=20.0)
-    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, min=-10.0, max=10.0)
 
 
 def token_entropy(logits: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:

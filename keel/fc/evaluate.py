@@ -36,15 +36,26 @@ LIVE_PARTS = ("live_simple", "live_multiple", "live_parallel", "live_parallel_mu
 MULTI_TURN_PARTS = ("multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context")
 
 
+class PolicyFactory:
+    """A text policy per call format: `make(call_format) -> text policy` (a model's policy lists
+    the tools in the format the evaluation asks for)."""
+
+    def __init__(self, make: Callable[[str], Callable]) -> None:
+        self.make = make
+
+    def __call__(self, call_format: str) -> Callable:
+        return self.make(call_format)
+
+
 def resolve_policy(policy: Any, call_format: str) -> Callable:
-    """"oracle" / "null" / a text policy / a factory `fn(call_format) -> text policy`."""
+    """"oracle" / "null" / a text policy / a `PolicyFactory`."""
     if policy == "oracle":
         return make_oracle(call_format)
     if policy == "null":
         return null_policy
     if isinstance(policy, str):
         raise UserError(f"unknown policy {policy!r}: expected 'oracle', 'null' or a callable")
-    if getattr(policy, "is_policy_factory", False):
+    if isinstance(policy, PolicyFactory):
         return policy(call_format)
     return policy
 
@@ -85,7 +96,9 @@ def _load_bfcl(categories: list[str], limit: int | None) -> list[Task]:
     return tasks
 
 
-def _env_for(env_name: str, task: Task, call_format: str):
+def env_for(env_name: str, task: Task, call_format: str):
+    """The Env that runs `task` of benchmark `env_name` ("bfcl", "acebench", "fc_learn") with
+    calls written in `call_format`."""
     if env_name == "bfcl":
         from keel.fc.bfcl import BfclEnv, BfclSingleTurnEnv
 
@@ -148,7 +161,7 @@ def evaluate_fc(
     for fmt in call_formats:
         fn = resolve_policy(policy, fmt)
         for task in tasks:
-            env = _env_for(env_name, task, fmt)
+            env = env_for(env_name, task, fmt)
             ood = bool(set(task_classes(task)) & set(heldout_classes))
             try:
                 episode, info = run_fc_episode(env, task, fn, _max_turns(task))

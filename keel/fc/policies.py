@@ -18,7 +18,7 @@ from typing import Any, Callable
 from keel.chat import extract_answer, parse_tool_calls
 from keel.episode import TextEpisode
 from keel.fc.parse import render_calls
-from keel.types import Env, Observation, Step, Task
+from keel.types import Env, Observation, Step, Task, begin_step, episode_info, episode_parser
 
 DONE_TEXT = "I have finished the requested operations."
 NULL_TEXT = "I cannot help with that."
@@ -58,8 +58,7 @@ def run_fc_episode(env: Env, task: Task, policy: TextPolicy, max_turns: int) -> 
     ]
     out = TextEpisode(task_id=task.id, messages=messages)
     episode = env.start(task)
-    parse = getattr(episode, "parse", parse_tool_calls)
-    begin_step = getattr(episode, "begin_step", None)
+    parse = episode_parser(episode) or parse_tool_calls
     try:
         for turn in range(max_turns):
             text = policy(task, messages)
@@ -70,8 +69,7 @@ def run_fc_episode(env: Env, task: Task, policy: TextPolicy, max_turns: int) -> 
             except Exception:  # a parser must not raise; if one does, the turn has no calls
                 calls = []
             if calls:
-                if begin_step is not None:
-                    begin_step()
+                begin_step(episode)
                 for call in calls:
                     try:
                         obs = episode.execute(call)
@@ -90,4 +88,4 @@ def run_fc_episode(env: Env, task: Task, policy: TextPolicy, max_turns: int) -> 
             out.truncated = True
     finally:
         episode.close()
-    return out, dict(getattr(episode, "info", {}) or {})
+    return out, episode_info(episode)

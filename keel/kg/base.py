@@ -8,6 +8,12 @@ raises on a bad one.
 
 Names are literal triples `(entity, type.object.name, "Name")`, kept apart from the graph: the
 four verbs never return `type.object.name` or a literal.
+
+Two members are optional (keel.kg.env reads them only when a store has them):
+`relations() -> list[str]`, every relation of the graph (what `env.list_relations` lists and
+the renamed-schema ablation, `env.rename_schema`, renames), and `resolve(name) -> str | None`,
+an entity's id from its name (when `env.accept_names` or `env.readable_ids` lets the model
+write names).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from keel.sft import SFTExample, decompose
+from keel.sft import SFTExample, cached_gold_trajectory, decompose
 from keel.types import Env, Task, Trajectory
 
 
@@ -32,7 +32,6 @@ class ETSBuffer:
         self.capacity = capacity
         self.fail_at = float(fail_at)
         self.entries: OrderedDict[str, int] = OrderedDict()  # task id -> step of its latest all-failed group, oldest first
-        self._gold: dict[str, Trajectory] = {}  # gold trajectories are deterministic: built once per task
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -61,26 +60,22 @@ class ETSBuffer:
         """Drop queries whose latest failure is `window` or more steps before `step`."""
         for tid in [t for t, s in self.entries.items() if step - s >= self.window]:
             del self.entries[tid]
-        for tid in [t for t in self._gold if t not in self.entries]:
-            del self._gold[tid]
 
     def task_ids(self) -> list[str]:
         """Buffered task ids, oldest failure first."""
         return list(self.entries)
 
-    def sft_examples(self, tokenizer, env: Env, tasks_by_id: dict[str, Task], packed: bool = False) -> list[SFTExample]:
+    def sft_examples(self, tokenizer, env: Env, tasks_by_id: dict[str, Task], packed: bool = False,
+                     cache: dict[str, Trajectory] | None = None) -> list[SFTExample]:
         """Single-step SFT examples (one per gold assistant turn, `keel.sft.decompose`) of every
-        buffered query whose gold path works in the env."""
-        from keel.signals.ops import expert_trajectory
-
+        buffered query whose gold path works in the env. `cache`: the run's gold trajectories
+        (`keel.sft.cached_gold_trajectory`; None: built here each time)."""
         out: list[SFTExample] = []
         for tid in self.entries:
             task = tasks_by_id.get(tid)
             if task is None:
                 raise ValueError(f"ETSBuffer.sft_examples: buffered task {tid!r} is not among the {len(tasks_by_id)} tasks given")
-            gold = self._gold.get(tid)
-            if gold is None:
-                gold = self._gold[tid] = expert_trajectory(tokenizer, env, task)
+            gold = cached_gold_trajectory(tokenizer, env, task, cache)
             if gold.info.get("gold_ok", True):
                 out.extend(decompose(gold, packed=packed))
         return out
@@ -97,6 +92,5 @@ class ETSBuffer:
         ):
             raise ValueError("ETSBuffer.load_state_dict: expected {'entries': [[task_id, step], ...]}")
         self.entries = OrderedDict((t, s) for t, s in entries)
-        self._gold = {}
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)

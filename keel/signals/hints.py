@@ -24,15 +24,11 @@ import json
 from typing import Any, Callable, Sequence
 
 from keel.rollout import HINT_POSITIONS, encode_prompt
-from keel.types import Env, Source, Task, Trajectory
+from keel.types import Env, Source, Task, Trajectory, env_call_format
 
 
 
 # --- hint texts -----------------------------------------------------------------------------------
-
-
-def _call_format(env: Env | None) -> str:
-    return getattr(env, "call_format", "json") if env is not None else "json"
 
 
 def first_call_hint(task: Task, env: Env | None = None) -> str | None:
@@ -45,7 +41,7 @@ def first_call_hint(task: Task, env: Env | None = None) -> str | None:
     for turn in task.gold_turns:
         if turn:
             call = turn[0]
-            fmt = _call_format(env)
+            fmt = env_call_format(env)
             if fmt == "json":
                 shown = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
             else:

@@ -14,7 +14,7 @@ How Keel realises both (token-in/token-out):
   the tool response is the gold one, and the next turn is overwritten again. The result is,
   token for token, the gold trajectory: tests/test_signals_ops.py forces the gold turns into a
   live rollout through `rollout(steer=gold_steer(...))` and checks the ids equal
-  `expert_trajectory`'s. So Keel samples n − replace_num members (`sampled_rows`) and puts the
+  `gold_trajectory`'s. So Keel samples n − replace_num members (`sampled_rows`) and puts the
   offline gold trajectory in the freed slot — the same group, without decoding tokens that
   would be thrown away. (`gold_steer` + `as_expert` do it inside the rollout, when wanted.)
 - train.py's `grpo_update` trains POLICY and EXPERT tokens and gives EXPERT tokens the
@@ -34,54 +34,8 @@ import torch
 
 from keel.chat import IM_END
 from keel.losses import group_advantages
-from keel.sft import gold_trajectory, gold_turn_texts
+from keel.sft import cached_gold_trajectory, gold_texts
 from keel.types import Env, Source, Task, Trajectory
-
-
-# --- gold trajectories for every env -----------------------------------------------------------------
-
-
-def is_function_calling(task: Task) -> bool:
-    """Multi-turn BFCL / learnable tasks: their ground truth per user turn is in `meta["ground_truth"]`
-    (the rule `keel.sft.gold_turn_texts` uses)."""
-    return "ground_truth" in task.meta
-
-
-def gold_texts(task: Task, env: Env | None = None) -> list[str]:
-    """Assistant texts of the gold trajectory: `keel.sft.gold_turn_texts` (KG: a turn of calls
-    per gold turn, then `<answer>`; function calling: per user turn its gold calls, then the
-    closing text of Keel's oracle), with the calls in the env's call format when it is not
-    Hermes JSON (BfclEnv("python") / ("python_tagged"), the format-OOD axis)."""
-    fmt = getattr(env, "call_format", "json")
-    if not is_function_calling(task) and not task.answers and not task.meta.get("gold_texts"):
-        raise ValueError(f"task {task.id!r}: no gold answer, so no gold trajectory")
-    if fmt == "json" or task.meta.get("gold_texts") or not is_function_calling(task):
-        return gold_turn_texts(task)
-    from keel.fc.parse import render_calls
-    from keel.fc.policies import DONE_TEXT
-
-    texts: list[str] = []
-    for calls in task.gold_turns:
-        if calls:
-            texts.append(render_calls(calls, fmt))
-        texts.append(task.meta.get("gold_text") or DONE_TEXT)
-    return texts
-
-
-def expert_trajectory(tokenizer, env: Env, task: Task, hint: str | None = None) -> Trajectory:
-    """The gold episode as a Trajectory (assistant tokens EXPERT), for KG and function calling.
-
-    `info` holds `gold_ok` (every gold call succeeded in the env and, for function calling,
-    BFCL's checker accepted it) and `checker_valid`, so rewards score it like a rollout.
-    """
-    texts = gold_texts(task, env)
-    staged = task
-    if texts != gold_turn_texts(task):
-        staged = copy.copy(task)
-        staged.meta = {**task.meta, "gold_texts": texts}
-    traj = gold_trajectory(tokenizer, env, staged, source=Source.EXPERT, hint=hint)
-    traj.info["expert"] = True
-    return traj
 
 
 def expert_members(tokenizer, env: Env, task: Task, k: int = 1, group: int = -1, cache: dict[str, Trajectory] | None = None) -> list[Trajectory]:
@@ -92,11 +46,7 @@ def expert_members(tokenizer, env: Env, task: Task, k: int = 1, group: int = -1,
         raise ValueError(f"signals.ops.members must be >= 0, got {k}")
     if k == 0:
         return []
-    gold = cache.get(task.id) if cache is not None else None
-    if gold is None:
-        gold = expert_trajectory(tokenizer, env, task)
-        if cache is not None:
-            cache[task.id] = gold
+    gold = cached_gold_trajectory(tokenizer, env, task, cache)
     if not gold.info.get("gold_ok", True):
         return []
     out = []

@@ -32,7 +32,7 @@ from keel.answers import exact_match
 from keel.chat import IM_END, render_user_turn
 from keel.rewards import ENTITY_VERBS, is_empty_observation
 from keel.sft import SFTExample, decompose
-from keel.types import Env, Source, Step, Task, ToolCall, Trajectory
+from keel.types import Env, Source, Step, Task, ToolCall, Trajectory, begin_step, env_call_format, is_function_calling
 
 # cause -> how the reflection names it
 CAUSES: dict[str, str] = {
@@ -71,7 +71,7 @@ class Reflection:
 
 def succeeded(traj: Trajectory, task: Task) -> bool:
     """Function calling: BFCL's checker accepted the episode; KG: the answer is EM-correct."""
-    if isinstance(task.meta.get("entry"), dict):
+    if is_function_calling(task):
         return traj.info.get("checker_valid") is True
     return exact_match(traj.answer, list(task.answers) + list(task.aliases)) == 1.0
 
@@ -107,7 +107,7 @@ def render_reflection(turn: int, cause: str, detail: str, task: Task, call_forma
 def corrected_calls_text(task: Task, call_format: str = "json") -> str:
     """"Corrected calls:" and the gold calls, one line per turn (the second half of a reflection)."""
     lines = ["Corrected calls:"]
-    fc = isinstance(task.meta.get("entry"), dict)
+    fc = is_function_calling(task)
     turns = task.gold_turns if fc else [t for t in task.gold_turns if t]
     for k, calls in enumerate(turns):
         label = f"User turn {k + 1}" if fc else f"Turn {k + 1}"
@@ -126,8 +126,9 @@ def _required(env: Env, task: Task) -> dict[str, tuple[str, ...]]:
     for t in env.tools(task):
         fn = t.get("function", t)
         out[fn.get("name", "")] = tuple(fn.get("parameters", {}).get("required", []))
-    if not out and isinstance(task.meta.get("entry"), dict):  # python call formats list no tools
-        for d in task.meta["entry"].get("function", []):
+    entry = task.meta.get("entry")  # BFCL's function documents
+    if not out and isinstance(entry, dict):  # python call formats list no tools
+        for d in entry.get("function", []):
             out[d["name"]] = tuple(d.get("parameters", {}).get("required", []))
     return out
 
@@ -143,14 +144,14 @@ class RuleAnalyzer:
 
     def __init__(self, env: Env) -> None:
         self.env = env
-        self.call_format = getattr(env, "call_format", "json")
+        self.call_format = env_call_format(env)
 
     def analyze(self, traj: Trajectory, task: Task) -> Reflection | None:
         if succeeded(traj, task):
             return None
         if not self._gold_works(task):
             return None
-        if isinstance(task.meta.get("entry"), dict):
+        if is_function_calling(task):
             turn, cause, detail = self._function_calling(traj, task)
         else:
             turn, cause, detail = self._kg(traj, task)
@@ -163,10 +164,10 @@ class RuleAnalyzer:
         episode = self.env.start(task)
         try:
             for k, calls in enumerate(task.gold_turns):
-                if k > 0 and isinstance(task.meta.get("entry"), dict):
+                if k > 0 and is_function_calling(task):
                     episode.next_user_message()
-                if calls and hasattr(episode, "begin_step"):
-                    episode.begin_step()
+                if calls:
+                    begin_step(episode)
                 for c in calls:
                     obs = episode.execute(ToolCall(name=c["name"], arguments=dict(c["arguments"])))
                     if not obs.ok:

@@ -25,13 +25,13 @@ from keel.errors import UserError
 from keel.rewards import is_empty_observation
 from keel.rundir import iter_jsonl_strict
 from keel.sft import SFTExample, decompose
-from keel.types import Source, Task, Trajectory
+from keel.types import Source, Task, Trajectory, is_function_calling
 
 
 def why_rejected(traj: Trajectory, task: Task) -> str | None:
     """None when the episode is kept, else the first failed criterion: "not_correct",
     "no_successful_call" or "invalid_format"."""
-    if isinstance(task.meta.get("entry"), dict):  # function calling: BFCL's verdict
+    if is_function_calling(task):  # function calling: BFCL's verdict
         if traj.info.get("checker_valid") is not True:
             return "not_correct"
         if not any(is_valid_call(s) and s.observation.ok for s in traj.steps):

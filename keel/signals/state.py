@@ -19,12 +19,12 @@ from typing import Any
 
 from keel import metrics as M
 from keel.config import SignalsConfig
-from keel.sft import SFTExample, decompose
+from keel.sft import SFTExample, cached_gold_trajectory, decompose
 from keel.signals.ets import ETSBuffer
 from keel.signals.hints import HintPolicy
 from keel.signals.reflection import LLMAnalyzer, RuleAnalyzer
 from keel.signals.schedule import Schedule
-from keel.types import Env, Task, Trajectory
+from keel.types import Env, Task, Trajectory, env_call_format
 
 
 class SignalState:
@@ -40,26 +40,21 @@ class SignalState:
         self.analyzer = None
         if s.reflection.enabled:
             self.analyzer = RuleAnalyzer(env) if s.reflection.analyzer == "rule" else LLMAnalyzer(
-                s.reflection.base_url, s.reflection.model, s.reflection.api_key or None, getattr(env, "call_format", "json"))
+                s.reflection.base_url, s.reflection.model, s.reflection.api_key or None, env_call_format(env))
         self.reflections: list[SFTExample] = []  # newest last, at most signals.reflection.pool
-        self.gold_cache: dict[str, Trajectory] = {}  # gold trajectories, built once per task
+        self.gold_cache: dict[str, Trajectory] = {}  # the run's gold trajectories (SFT pool, ETS, OPS), built once per task
         self._gold_examples: list[SFTExample] | None = None
 
     def supervision_pool(self, kind: str) -> list[SFTExample]:
         """The examples a supervision kind trains on now: gold SFT of all training tasks, the
         ETS buffer's gold trajectories, or the reflection pool."""
-        from keel.signals.ops import expert_trajectory
-
         if kind == "sft":
             if self._gold_examples is None:
-                for t in self.train_tasks:
-                    if t.id not in self.gold_cache:
-                        self.gold_cache[t.id] = expert_trajectory(self.tokenizer, self.env, t)
-                golds = [self.gold_cache[t.id] for t in self.train_tasks]
+                golds = [cached_gold_trajectory(self.tokenizer, self.env, t, self.gold_cache) for t in self.train_tasks]
                 self._gold_examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=self.packed)]
             return self._gold_examples
         if kind == "ets":
-            return self.ets.sft_examples(self.tokenizer, self.env, self.tasks_by_id, packed=self.packed)
+            return self.ets.sft_examples(self.tokenizer, self.env, self.tasks_by_id, packed=self.packed, cache=self.gold_cache)
         return list(self.reflections)
 
     # --- what an RL step asks of the signals, in the order it asks -------------------------------------
