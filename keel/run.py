@@ -379,9 +379,9 @@ def next_batch(run: Run, order: list[int], n: int, pool: int, strata: list[str] 
 def stratified_order(rng: random.Random, strata: list[str]) -> list[int]:
     """All indices, the strata's values taken in turn (each value's indices shuffled, the values'
     cycle shuffled once per epoch): any run of k consecutive indices holds each value ⌊k/V⌋ or
-    ⌈k/V⌉ times while every value still has indices left. GRPO at 8 prompts a step otherwise sees
-    a template three times in one batch and not at all in the next, and its shared decisions move
-    with that draw (LOG.md, 2026-12-01, ninth session)."""
+    ⌈k/V⌉ times while every value still has indices left. A plain shuffle at 8 prompts a step sees
+    a template three times in one batch and not at all in the next. On the main job this alone did
+    not make GRPO's lift reliable (docs/RESULTS.md, ninth session)."""
     groups: dict[str, list[int]] = {}
     for i, value in enumerate(strata):
         groups.setdefault(value, []).append(i)
