@@ -40,7 +40,6 @@ The SFT warm-start's steps go through `sharded_sft_step`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import math
@@ -155,13 +154,6 @@ def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
     if ctx.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
-
-
-def local_config(cfg):
-    """A copy of `cfg` for `grpo_update` under `GradientSync`: local clipping off (`local_grpo`)."""
-    out = copy.deepcopy(cfg)
-    out.grpo = local_grpo(cfg.grpo)
-    return out
 
 
 def local_grpo(g):

@@ -22,7 +22,7 @@ from keel.distributed import (
     all_reduce_sum,
     broadcast_parameters,
     init_distributed,
-    local_config,
+    local_grpo,
     loss_normaliser,
     reduce_stats,
     shard_groups,
@@ -113,7 +113,7 @@ def _worker(rank, world, port, state, ref_state, batches, pad_id, tiny_config, o
                     n_local = loss_normaliser(local_trajs, local_adv, aggregation)
                     n_global = all_reduce_sum([n_local], ctx)[0]
                     sync.begin(n_local / n_global if weighting == "exact" else 1.0 / world)
-                    grpo_update(model, ref, sync, local_trajs, local_adv, local_config(cfg).grpo, pad_id, 1.0)
+                    grpo_update(model, ref, sync, local_trajs, local_adv, local_grpo(cfg.grpo), pad_id, 1.0)
                     sync.commit()
                 results[(aggregation, weighting)] = model.state_dict()
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -162,7 +162,7 @@ def test_gradient_sync_alone_equals_grpo_update(tiny):
     stats_a = grpo_update(a, None, opt_a, trajs, adv, cfg.grpo, tok.pad_token_id, 1.0)
     sync = GradientSync(torch.optim.AdamW(b.parameters(), lr=1e-2), b.parameters(), DistContext(), cfg.grpo.max_grad_norm)
     sync.begin(1.0)
-    stats_b = grpo_update(b, None, sync, trajs, adv, local_config(cfg).grpo, tok.pad_token_id, 1.0)
+    stats_b = grpo_update(b, None, sync, trajs, adv, local_grpo(cfg.grpo), tok.pad_token_id, 1.0)
     stats_b.update(sync.commit())
     assert stats_b[M.LOSS_GRAD_NORM] == pytest.approx(stats_a[M.LOSS_GRAD_NORM], rel=1e-6)
     assert stats_b[M.LOSS_POLICY] == pytest.approx(stats_a[M.LOSS_POLICY], rel=1e-6)
@@ -179,10 +179,10 @@ def test_gradient_sync_skips_nonfinite_and_empty_steps(tiny):
     bad = adv.clone()
     bad[0] = float("nan")
     sync.begin(1.0)
-    grpo_update(m, None, sync, trajs, bad, local_config(Config()).grpo, tok.pad_token_id, 1.0)
+    grpo_update(m, None, sync, trajs, bad, local_grpo(Config().grpo), tok.pad_token_id, 1.0)
     assert sync.commit() == {M.LOSS_GRAD_NORM: 0.0, M.LOSS_SKIPPED: 1.0}
     sync.begin(1.0)  # no member has an advantage: grpo_update neither steps nor zeroes
-    grpo_update(m, None, sync, trajs, torch.zeros(len(trajs)), local_config(Config()).grpo, tok.pad_token_id, 1.0)
+    grpo_update(m, None, sync, trajs, torch.zeros(len(trajs)), local_grpo(Config().grpo), tok.pad_token_id, 1.0)
     assert sync.commit() == {M.LOSS_GRAD_NORM: 0.0, M.LOSS_SKIPPED: 0.0}
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k  # AdamW with zero grads would still move (decay, moments)
