@@ -30,7 +30,7 @@ def _synth_config(d) -> "SynthConfig":
     from keel.kg.synth import SynthConfig
 
     return SynthConfig(max_calls_per_turn=d.max_calls_per_turn, max_hops=d.max_hops, nationality_from_birth=d.nationality_from_birth,
-                       **({"kinds": tuple(d.kinds)} if d.kinds else {}))
+                       templates=tuple(d.templates), **({"kinds": tuple(d.kinds)} if d.kinds else {}))
 
 
 def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tuple[Env, list[Task], list[Task]]:

@@ -164,6 +164,32 @@ def test_max_hops_keeps_only_short_questions():
     assert "spouse" in templates and not templates & {"spouse_birthplace", "birth_country_capital"}  # the 3-hop chains are gone
 
 
+def test_template_names_are_the_generators():
+    from keel.config import QUESTION_TEMPLATES
+
+    _, splits = synth.generate_splits(seed=0, train=900, dev=50, test=50)
+    seen: dict[str, set[str]] = {}
+    for t in (t for split in splits.values() for t in split):
+        seen.setdefault(t.kind, set()).add(t.meta["template"])
+    assert {k: set(v) for k, v in QUESTION_TEMPLATES.items()} == seen
+
+
+def test_templates_subset_keeps_only_those_templates_taken_in_turn():
+    keep = ("director_birthplace", "film_actors", "spouse")
+    _, splits = synth.generate_splits(seed=0, train=60, dev=3, test=3, config=synth.SynthConfig(kinds=("composition",), templates=keep))
+    asked = [t for split in splits.values() for t in split]
+    counts = {k: sum(t.meta["template"] == k for t in asked) for k in keep}
+    assert sum(counts.values()) == 66 and set(counts) == set(keep)
+    assert max(counts.values()) - min(counts.values()) <= 1  # in turn, so each about a third
+
+
+def test_templates_outside_the_kinds_are_a_config_error():
+    from keel.config import load_config
+
+    with pytest.raises(ValueError, match=r"data.templates: \['first_film'\] are not templates of data.kinds"):
+        load_config(None, ["data.kinds=[composition]", "data.templates=[spouse,first_film]"])
+
+
 def _nationality_is_birth_country(kg) -> float:
     s = kg.store
     people = [p for p in kg.people if s.tail_entities(p, synth.PLACE_OF_BIRTH)]

@@ -82,6 +82,8 @@ class SynthConfig:
     """Question kinds generated (CWQ's four); a subset gives a simpler slice of the same graph and interface."""
     max_hops: int = 0
     """Questions whose gold needs more tool turns (hops) than this are not generated; 0: no limit."""
+    templates: tuple[str, ...] = ()
+    """Question templates kept (names in keel.config.QUESTION_TEMPLATES); empty: every template of `kinds`."""
     nationality_from_birth: float = 0.8
     """Share of people whose nationality is their birth city's country (the others draw a country at
     random, which is the birth country 1 time in `countries`). At 0.8, as in Freebase, "which country
@@ -356,11 +358,13 @@ def _make_task(kg: SynthKG, kind: str, template: str, question: str, plan: dict[
     )
 
 
-def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: tuple[str, ...] = QUESTION_KINDS, max_hops: int = 0) -> list[Task]:
+def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: tuple[str, ...] = QUESTION_KINDS, max_hops: int = 0,
+                templates: tuple[str, ...] = ()) -> list[Task]:
     """Up to `total` distinct questions, kinds in turn (composition, conjunction, comparative,
     superlative, or the subset `kinds`) and templates in turn within a kind, so every kind is
     about equally common. The candidate pools are drawn for every kind whatever `kinds` is, so a
-    subset's questions are those the full set would have drawn for its kinds."""
+    subset's questions are those the full set would have drawn for its kinds. `templates`
+    (non-empty): only those templates' questions, still taken in turn."""
     unknown = sorted(set(kinds) - set(QUESTION_KINDS))
     if unknown or not kinds:
         raise UserError(f"synth: question kinds must be a non-empty subset of {', '.join(QUESTION_KINDS)}; got {', '.join(kinds) or 'none'}")
@@ -370,8 +374,9 @@ def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: t
     for kind, items in pools.items():
         rng.shuffle(items)
         for item in items:
-            by_template.setdefault(kind, {}).setdefault(item[0], []).append(item)
-    queues = {kind: [list(v) for _, v in sorted(templates.items())] for kind, templates in by_template.items()}
+            if not templates or item[0] in templates:
+                by_template.setdefault(kind, {}).setdefault(item[0], []).append(item)
+    queues = {kind: [list(v) for _, v in sorted(pool.items())] for kind, pool in by_template.items()}
     turn_in_kind = {kind: 0 for kind in queues}
     tasks: list[Task] = []
     seen: set[str] = set()
@@ -380,20 +385,20 @@ def build_tasks(kg: SynthKG, seed: int, total: int, max_calls: int = 6, kinds: t
         for kind in active:
             if len(tasks) >= total:
                 break
-            templates = [q for q in queues[kind] if q]
-            while templates:
-                q = templates[turn_in_kind[kind] % len(templates)]
+            open_queues = [q for q in queues[kind] if q]
+            while open_queues:
+                q = open_queues[turn_in_kind[kind] % len(open_queues)]
                 turn_in_kind[kind] += 1
                 template, question, plan, topics = q.pop()
                 if question in seen:
-                    templates = [q for q in queues[kind] if q]
+                    open_queues = [q for q in queues[kind] if q]
                     continue
                 task = _make_task(kg, kind, template, question, plan, topics, max_calls, max_hops)
                 if task is not None:
                     seen.add(question)
                     tasks.append(task)
                     break
-                templates = [q for q in queues[kind] if q]
+                open_queues = [q for q in queues[kind] if q]
     return tasks
 
 
@@ -401,7 +406,7 @@ def generate_splits(seed: int = 0, train: int = 1000, dev: int = 100, test: int 
     """The graph and its question splits, in memory (what `generate` writes)."""
     c = config or SynthConfig()
     kg = build_kg(seed, c)
-    tasks = build_tasks(kg, seed, train + dev + test, c.max_calls_per_turn, tuple(c.kinds), c.max_hops)
+    tasks = build_tasks(kg, seed, train + dev + test, c.max_calls_per_turn, tuple(c.kinds), c.max_hops, tuple(c.templates))
     if len(tasks) < train + dev + test:
         raise UserError(f"synth: the graph supports only {len(tasks)} distinct questions, {train + dev + test} asked; enlarge SynthConfig")
     random.Random(seed * 104729 + 2).shuffle(tasks)
