@@ -450,13 +450,14 @@ def finish(run: Run, interrupted: bool = False) -> dict[str, Any]:
 
 
 def rl_lift(run: Run) -> dict[str, Any] | None:
-    """What the RL phase did: the final evaluation against the post-SFT one, paired per dev
-    question (the final checkpoint, not the peak: no selection on the set reported), with an
-    exact McNemar test. None without both evaluations (no SFT, or no RL eval yet)."""
+    """What the RL phase did: the final evaluation against the post-SFT one — or, when the run
+    has no SFT phase (RL from a checkpoint), against its first evaluation (`eval.before_sft`) —
+    paired per dev question (the final checkpoint, not the peak: no selection on the set
+    reported), with an exact McNemar test. None without both evaluations or without RL steps."""
     from keel.compare import paired_lift, read_eval
 
     p = run.progress
-    after_sft = p.summary.get("eval_after_sft_step")
+    after_sft = p.summary.get("eval_after_sft_step", p.summary.get("eval_before_sft_step"))
     if after_sft is None or p.last_eval is None or p.rl_done == 0:
         return None
     final = sorted((run.run_dir / "eval").glob("step_*.jsonl"))[-1]  # zero-padded names: the last is the latest

@@ -217,6 +217,7 @@ def loop(run: Run, resume: bool) -> dict[str, Any]:
         if cfg.eval.before_sft:
             means = evaluate(run, "before_sft")
             p.summary["eval_before_sft"] = means
+            p.summary["eval_before_sft_step"] = p.step  # the pre-RL eval when SFT is off (rl_lift)
             log(run, {M.PHASE: "eval", **means})
         p.phase = "sft"
         run.optimizer, run.scheduler = make_optimizer(run.model, cfg.sft.lr, cfg.sft.warmup_steps, 0.0, cfg.grpo.adam_eps)

@@ -51,6 +51,18 @@ def test_smoke_preset_runs_the_whole_loop_under_60s(tmp_path):
     assert cfg.model.name == "tiny" and cfg.grpo.steps == 2
 
 
+def test_rl_from_a_checkpoint_reports_its_lift_against_the_first_eval(tmp_path):
+    # no SFT phase: the pre-RL evaluation (eval.before_sft) is what the final one is paired with
+    out = tmp_path / "run"
+    r = keel("train", "configs/smoke.yaml", "--out", str(out), "--set", "sft.enabled=false", "--set", "eval.before_sft=true")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert "eval_after_sft" not in summary and summary["eval_before_sft_step"] == 0
+    assert summary["rl_lift/n"] == 2
+    assert abs(summary["rl_lift/em"] - (summary["eval_final"]["eval/em"] - summary["eval_before_sft"]["eval/em"])) < 1e-9
+    assert "RL lifted dev EM" in r.stdout
+
+
 def test_existing_run_directory_is_refused_and_untouched(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
