@@ -637,6 +637,8 @@ def check_chat_format(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Cross-field checks that a type check cannot do; each error names the key."""
+    kinds = cfg.data.kinds or list(QUESTION_KINDS)
+    unknown_templates = sorted(set(cfg.data.templates) - {t for k in kinds for t in QUESTION_TEMPLATES.get(k, ())})
     checks = [
         (cfg.rollout.group_size >= 1, "rollout.group_size must be ≥ 1"),
         (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be ≥ 1"),
@@ -656,9 +658,7 @@ def validate(cfg: Config) -> None:
         (cfg.env.kind != "mcp" or bool(cfg.env.mcp_command), "env.kind=mcp needs env.mcp_command, e.g. [python, server.py]"),
         (cfg.env.call_timeout_s > 0, "env.call_timeout_s must be > 0"),
         (set(cfg.data.kinds) <= set(QUESTION_KINDS), f"data.kinds must be a subset of {', '.join(QUESTION_KINDS)}, got {cfg.data.kinds!r}"),
-        (set(cfg.data.templates) <= {t for k in (cfg.data.kinds or QUESTION_KINDS) if k in QUESTION_TEMPLATES for t in QUESTION_TEMPLATES[k]},
-         f"data.templates: {sorted(set(cfg.data.templates) - {t for k in (cfg.data.kinds or QUESTION_KINDS) if k in QUESTION_TEMPLATES for t in QUESTION_TEMPLATES[k]})} "
-         f"are not templates of data.kinds {cfg.data.kinds or list(QUESTION_KINDS)} (keel.config.QUESTION_TEMPLATES)"),
+        (not unknown_templates, f"data.templates: {unknown_templates} are not templates of data.kinds {kinds} (keel.config.QUESTION_TEMPLATES)"),
         (cfg.data.max_hops >= 0, "data.max_hops must be ≥ 0 (0: no limit)"),
         (0.0 <= cfg.data.nationality_from_birth <= 1.0, "data.nationality_from_birth must be in [0, 1]"),
         (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),
