@@ -457,12 +457,12 @@ def rl_lift(run: Run) -> dict[str, Any] | None:
     from keel.compare import paired_lift, read_eval
 
     p = run.progress
-    after_sft = p.summary.get("eval_after_sft_step", p.summary.get("eval_before_sft_step"))
-    if after_sft is None or p.last_eval is None or p.rl_done == 0:
+    start = p.summary.get("eval_after_sft_step", p.summary.get("eval_before_sft_step"))  # the eval RL started from
+    if start is None or p.last_eval is None or p.rl_done == 0:
         return None
     final = sorted((run.run_dir / "eval").glob("step_*.jsonl"))[-1]  # zero-padded names: the last is the latest
     try:
-        lift = paired_lift(read_eval(run.run_dir / "eval" / f"step_{after_sft:06d}.jsonl"), read_eval(final))
+        lift = paired_lift(read_eval(run.run_dir / "eval" / f"step_{start:06d}.jsonl"), read_eval(final))
     except (OSError, ValueError) as exc:  # a summary line must not crash the end of a finished run
         say(run, f"[keel] warning: RL lift not computed: {exc}")
         return None
