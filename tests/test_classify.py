@@ -164,6 +164,26 @@ def test_sparse_format_collapse(tmp_path):
     assert d["mode"] == "sparse_format_collapse" and d["confidence"] >= 0.9
 
 
+def test_answers_vanishing_while_calls_rise_is_mode_1_not_the_cliff(tmp_path):
+    # The shape of results/issue12/composition-lr6e-5-collapsed (R-binary, GRPO at 6e-5 after SFT):
+    # EM 0.48 → 0 inside one eval window, but calls *rose* to the turn limit (2.0 → 4.04) and the
+    # answers vanished (answered 0.98 → 0.04): paper B's mode 1 ("<answer> disappears, EM 0"),
+    # not mode 4, whose signature is the call volume falling to ~1.
+    evals = {0: (0.48, 2.0, 0.98), 50: (0.0, 4.04, 0.04)}
+    lines = history(n=51, em=lambda s: evals[s][0], tools=lambda s: 2.0 if s < 25 else 4.0,
+                    extra=lambda s: {"eval/tools_per_question": evals[s][1], "eval/answered": evals[s][2]} if s in evals else {})
+    d = diagnose(write_run(tmp_path / "run", lines))
+    assert d["evidence"]["scores"]["spec_gaming_cliff"]["qualifies"] is False
+    assert d["mode"] == "sparse_format_collapse"
+    signals = {s["signal"]: s["satisfied"] for s in d["evidence"]["signals"]}
+    assert signals["answered share ≤ 0.5"] and signals["EM ≈ 0 (≤ 0.02)"] and not signals["tools/question ≈ 0 (≤ 0.1)"]
+    # The same history with the calls falling to 1 instead is the cliff.
+    evals = {0: (0.48, 3.0, 0.98), 50: (0.0, 1.0, 0.98)}
+    d = diagnose(write_run(tmp_path / "cliff", history(n=51, em=lambda s: evals[s][0], tools=lambda s: 3.0 if s < 25 else 1.0,
+                                                        extra=lambda s: {"eval/tools_per_question": evals[s][1], "eval/answered": evals[s][2]} if s in evals else {})))
+    assert d["mode"] == "spec_gaming_cliff"
+
+
 def test_ritual(tmp_path):
     lines = history(em=lambda s: 0.325, tools=lambda s: 1.0, extra=lambda s: {"eval/cvt": 0.0003, "eval/tool_lift": 0.0} if s % 50 == 0 else {})
     d = diagnose(write_run(tmp_path / "run", lines, samples={300: [RITUAL] * 5}))

@@ -12,13 +12,14 @@ Inputs, all optional and read tolerantly (a torn or garbage line is skipped and 
 "Late" / "early" values are means over the last / first 20% of logged points.
 
 Required signals per mode (the others add to the score):
-- sparse_format_collapse: late tools/question ≤ 0.1 and late EM ≤ 0.02;
+- sparse_format_collapse: late EM ≤ 0.02, and late tools/question ≤ 0.1 or late answered
+  share ≤ 0.5 (paper B's table: "`<answer>` disappears, EM 0"; its text: "no tool calls");
 - ritual: late tools/question in (0.5, 1.5] and late EM ≥ 0.05 (scored: CvT ≤ 0.01, tool lift
   ≈ 0, one verb ≥ 90% of calls);
 - format_drift: late `collapse/format_drift` (or the samples' share) ≥ 0.2;
 - spec_gaming_cliff: an eval where EM ≤ 30% of its running peak (≥ 0.1) right after an eval
-  within 0.1 of the peak (scored: tools/question ≤ 1.5 and ≤ 60% of before; entropy not halved;
-  quote-and-stop samples);
+  within 0.1 of the peak, and, where tools/question was recorded there, calls falling to ≤ 1.5
+  and ≤ 60% of before (scored: entropy not halved; quote-and-stop samples);
 - control_token_collapse: peak `kl/control_share` ≥ 0.5 and ≥ 2× early, or the pollution +
   full-collapse share up by ≥ 0.2.
 A mode wins when all its required signals hold; among winners the highest share of satisfied
@@ -199,11 +200,15 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     out: dict[str, list[dict[str, Any]]] = {}
 
     answered = _tail(run.series(EVAL_ANSWERED))
+    no_calls = None if late_tools is None else late_tools <= 0.1
+    answer_gone = None if answered is None else answered <= 0.5
     out["sparse_format_collapse"] = [
-        _signal("tools/question ≈ 0 (≤ 0.1)", _rounded(late_tools), None if late_tools is None else late_tools <= 0.1, 2, True),
+        _signal("tools/question ≈ 0 (≤ 0.1)", _rounded(late_tools), no_calls, 2),
         _signal("EM ≈ 0 (≤ 0.02)", _rounded(late_em), None if late_em is None else late_em <= 0.02, 2, True),
         _signal("entropy ≤ 0.5 × early", _rounded(entropy_ratio), None if entropy_ratio is None else entropy_ratio <= 0.5),
-        _signal("answered share ≤ 0.5", _rounded(answered), None if answered is None else answered <= 0.5),
+        _signal("answered share ≤ 0.5", _rounded(answered), answer_gone, 2),  # as strong as "no calls": the other face of the mode
+        # Paper B's table says "<answer> disappears, EM 0"; its text "no tool calls, EM 0": either.
+        _signal("no tool calls or no answers", None, bool(no_calls) or bool(answer_gone), 0, True),
     ]
 
     cvt, lift = _tail(run.series(EVAL_CVT)), _tail(run.series(EVAL_TOOL_LIFT))
@@ -233,7 +238,10 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     volume_drop = None if tools_before is None or tools_after is None else (tools_after <= 1.5 and tools_after <= 0.6 * tools_before)
     out["spec_gaming_cliff"] = [
         _signal("EM cliff after a peak within one eval window", cliff, None if not em else cliff is not None, 3, True),
-        _signal("tools/question drops to ~1 in the same window", [tools_before, tools_after] if cliff else None, volume_drop if cliff else None, 2),
+        # The call-volume fall is what tells mode 4 from any other collapse: required wherever
+        # tools/question was recorded around the cliff.
+        _signal("tools/question drops to ~1 in the same window", [tools_before, tools_after] if cliff else None, volume_drop if cliff else None, 2,
+                required=volume_drop is not None),
         _signal("entropy not collapsed (≥ 0.5 × early)", _rounded(entropy_ratio), None if entropy_ratio is None else entropy_ratio >= 0.5),
         _signal("samples: quote-and-stop ≥ 50%", _rounded(facts["quote_and_stop_share"]) if facts else None, None if not facts else facts["quote_and_stop_share"] >= 0.5),
     ]
