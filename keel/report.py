@@ -23,6 +23,7 @@ from typing import Any, Iterable
 
 from keel import metrics
 from keel.chat import CONTROL_TAGS, token_tag_labels
+from keel.diagnostics.episode_metrics import eval_metrics
 from keel.rundir import atomic_write_text, read_jsonl, read_run
 
 # ----------------------------------------------------------------------------------------------
@@ -80,20 +81,6 @@ class Run:
         return (min(all_steps), max(all_steps)) if all_steps else None
 
 
-def eval_means(path: Path) -> dict[str, float]:
-    """Means of the per-question fields of one eval file, under eval/ metric names."""
-    rows, _ = read_jsonl(path)
-    fields = {"em": metrics.EVAL_EM, "f1": metrics.EVAL_F1, "cvt": metrics.EVAL_CVT, "format_valid": metrics.EVAL_FORMAT_VALID, "answered": metrics.EVAL_ANSWERED, "tools": metrics.EVAL_TOOLS_PER_QUESTION}
-    out: dict[str, float] = {}
-    for name, key in fields.items():
-        values = [v for v in (_number(r.get(name)) for r in rows) if v is not None]
-        if values:
-            out[key] = sum(values) / len(values)
-    if rows:
-        out[metrics.EVAL_N] = float(len(rows))
-    return out
-
-
 def load_run(run_dir: str | os.PathLike) -> Run:
     """Read a run directory (keel.rundir.read_run, plus config.yaml and diagnosis.json). Raises
     only if the directory itself does not exist."""
@@ -125,7 +112,8 @@ def load_run(run_dir: str | os.PathLike) -> Run:
     # Eval steps whose means never reached metrics.jsonl (a crash between the eval and the log
     # line) are recomputed from the per-question files, so the curves have every eval point.
     for step, path in run.evals.items():
-        for key, value in eval_means(path).items():
+        rows, _ = read_jsonl(path)
+        for key, value in eval_metrics(rows).items():
             points = dict(run.series.get(key, []))
             if step not in points:
                 points[step] = value

@@ -11,6 +11,7 @@ distinct calls as the env executed them (`keel.rewards.call_key`), as the reward
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from math import comb
 from typing import Any
@@ -87,8 +88,10 @@ def episode_record(traj: Trajectory, task: Task) -> dict[str, Any]:
 
 
 def _mean(records: list[dict[str, Any]], key: str) -> float:
-    """Mean over the records that have `key` (older or hand-made eval files may lack fields); NaN if none."""
-    values = [float(r[key]) for r in records if r.get(key) is not None]
+    """Mean over the records whose `key` is a finite number (older or hand-made eval files may
+    lack fields or hold garbage); NaN if none."""
+    values = [float(v) for v in (r.get(key) for r in records)
+              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
     return sum(values) / len(values) if values else float("nan")
 
 
