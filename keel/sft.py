@@ -20,12 +20,14 @@ signals through one cache per run (`cached_gold_trajectory`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from keel.chat import IM_END, render_assistant_calls, render_tool_responses, render_user_turn
 from keel.episode import process_turn
+from keel.logprobs import collate, micro_batches, token_logprobs, update_prefix
+from keel.losses import sft_loss
 from keel.rollout import encode_prompt
 from keel.templates import ChatTemplate
 from keel.types import Env, Source, Task, Trajectory, env_call_format, episode_info, is_function_calling
@@ -150,14 +152,29 @@ def cached_gold_trajectory(tokenizer, env: Env, task: Task, cache: dict[str, Tra
     return gold
 
 
+# Sources an SFT example is trained on; every other token of an example is context.
+SFT_TARGETS = (Source.EXPERT, Source.POLICY, Source.REFLECTION)
+
+
 @dataclass
 class SFTExample:
-    """token ids and a parallel target flag list; loss is on targets only."""
+    """An SFT row: token ids with their per-token sources, as a trajectory's, so it goes through
+    the same `keel.logprobs.collate` as RL rows. The loss is on the tokens whose source is in
+    `SFT_TARGETS`; `decompose` marks everything else (prompt, tool results, the earlier turns of
+    a single-step example) `Source.PROMPT`."""
 
     token_ids: list[int]
-    targets: list[bool]
+    sources: list[int]
     task_id: str = ""
     turn: int = -1  # -1 for a packed example (all turns)
+
+    @property
+    def targets(self) -> list[bool]:
+        return [s in SFT_TARGETS for s in self.sources]
+
+    @property
+    def logprobs(self) -> list[float]:  # what `collate` reads as old log-probs; SFT has none
+        return [0.0] * len(self.token_ids)
 
 
 def decompose(tr: Trajectory, target_sources: tuple[int, ...] = (Source.EXPERT, Source.POLICY), packed: bool = False) -> list[SFTExample]:
@@ -167,34 +184,58 @@ def decompose(tr: Trajectory, target_sources: tuple[int, ...] = (Source.EXPERT, 
     example 1 = ids[:17] with targets 14..16 (turn 0 is context there, not a target).
     `packed=True` gives one example ids[:17] with both turns as targets.
     """
-    is_target = [s in target_sources for s in tr.sources]
-    if packed:
-        end = tr.turn_spans[-1][1]
-        targets = [False] * end
-        for a, b in tr.turn_spans:
+    unknown = set(target_sources) - set(SFT_TARGETS)
+    if unknown:
+        raise ValueError(f"decompose: target sources {sorted(unknown)} are not SFT target sources {list(SFT_TARGETS)}")
+
+    def example(end: int, spans: list[tuple[int, int]], turn: int) -> SFTExample:
+        sources = [int(Source.PROMPT)] * end
+        for a, b in spans:
             for i in range(a, b):
-                targets[i] = is_target[i]
-        return [SFTExample(tr.token_ids[:end], targets, tr.task_id, -1)]
-    out = []
-    for k, (a, b) in enumerate(tr.turn_spans):
-        targets = [False] * b
-        for i in range(a, b):
-            targets[i] = is_target[i]
-        out.append(SFTExample(tr.token_ids[:b], targets, tr.task_id, k))
-    return out
+                if tr.sources[i] in target_sources:
+                    sources[i] = int(tr.sources[i])
+        return SFTExample(tr.token_ids[:end], sources, tr.task_id, turn)
+
+    if packed:
+        return [example(tr.turn_spans[-1][1], list(tr.turn_spans), -1)]
+    return [example(b, [(a, b)], k) for k, (a, b) in enumerate(tr.turn_spans)]
 
 
 def collate_sft(examples: list[SFTExample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """→ input_ids [B, T], attention_mask [B, T], target_mask [B, T] (right-padded)."""
-    T = max(len(e.token_ids) for e in examples)
-    B = len(examples)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    tmask = torch.zeros(B, T, dtype=torch.bool)
-    for b, e in enumerate(examples):
-        n = len(e.token_ids)
-        ids[b, :n] = torch.tensor(e.token_ids)
-        attn[b, :n] = 1
-        tmask[b, :n] = torch.tensor(e.targets)
-    tmask[:, 0] = False
-    return ids, attn, tmask
+    """→ input_ids [B, T], attention_mask [B, T], target_mask [B, T] (right-padded): `collate`'s,
+    with the SFT target sources as targets and nothing dropped."""
+    batch = collate(examples, SFT_TARGETS, pad_id, drop_sources=())
+    return batch.input_ids, batch.attention_mask, batch.target_mask
+
+
+def supervision_backward(model, examples: Sequence, pad_id: int, weight: float = 1.0, micro: int = 8, autocast: bool = False,
+                         max_tokens: int = 0) -> float:
+    """Accumulate gradients of weight · NLL over the examples' targets (token-mean over all of
+    them, `keel.losses.sft_loss`); no optimizer step. Returns the unweighted loss.
+
+    Synchronous paradigm: call it inside the RL update, after the GRPO micro-batches' backward
+    and before gradient clipping, once per kind with `Schedule.sync_weight(kind)`.
+    `autocast`: bf16 autocast of the forward, as train.py's `model.autocast`; micro-batches hold at
+    most `micro` examples and `max_tokens` encoded positions (`keel.logprobs.micro_batches`), and
+    the examples' common prefix is encoded once for all of them (`keel.logprobs.SharedPrefix`).
+    train.py's `sft_step` is this plus the optimizer step.
+    """
+    if not examples:
+        return 0.0
+    n_targets = sum(sum(e.targets[1:]) for e in examples)
+    total = 0.0
+    device = next(model.parameters()).device
+    sequences = [e.token_ids for e in examples]
+    parts = micro_batches(sequences, micro, max_tokens)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        prefix = update_prefix(model, sequences, parts)
+    for idx in parts:
+        ids, attn, tmask = collate_sft([examples[i] for i in idx], pad_id)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logp, _ = token_logprobs(model, ids.to(device), attn.to(device), tmask.to(device), prefix=prefix)
+        loss = sft_loss(logp, n_targets)
+        (loss * weight).backward()
+        total += float(loss.detach())
+    if prefix is not None:
+        prefix.backward()
+    return total

@@ -43,9 +43,9 @@ from keel.rollout import SamplingParams, rollout
 from keel.run import (Run, check_distributed_config, evaluate, evaluate_rl, finish, handle_alerts, interrupted_anywhere, log, make_reference,
                       next_batch, progress_bar, refresh_report, run_directory, start, warm_start_examples)
 from keel.rundir import RunDirError
-from keel.sft import SFTExample
+from keel.sft import SFTExample, supervision_backward
 from keel.signals.ops import expert_members, group_with_experts, sampled_rows
-from keel.signals.schedule import run_phase, supervision_backward
+from keel.signals.schedule import run_phase
 from keel.types import Source, Trajectory, close_env
 
 

@@ -1,5 +1,6 @@
 """Paper A's single-step decomposition, and its equivalence with the packed form."""
 
+import pytest
 import torch
 
 from fakes import EchoEnv, make_tasks
@@ -21,6 +22,30 @@ def test_decomposition_by_hand():
     assert ex[1].token_ids == list(range(100, 117)) and [i for i, t in enumerate(ex[1].targets) if t] == [14, 15, 16]
     packed = decompose(_hand_traj(), packed=True)
     assert len(packed) == 1 and [i for i, t in enumerate(packed[0].targets) if t] == [5, 6, 7, 8, 14, 15, 16]
+
+
+def test_sft_rows_carry_sources_and_go_through_rl_collate():
+    ex = decompose(_hand_traj())
+    # Example 1 is the whole trajectory: its turn-0 tokens (expert) are context there, so PROMPT.
+    assert ex[1].sources == [0] * 14 + [4] * 3 and ex[0].sources == [0] * 5 + [4] * 4
+    tr = _hand_traj()
+    tr.sources[14] = int(Source.HINT)  # a hint inside a target span is context to SFT, and is not dropped
+    (hinted,) = decompose(tr, packed=True)
+    assert hinted.sources[14] == Source.PROMPT and len(hinted.token_ids) == 17
+    ids, attn, tmask = collate_sft(ex, pad_id=7)
+    assert ids.shape == (2, 17) and ids[0, 9:].tolist() == [7] * 8 and attn[0].sum() == 9
+    assert [i for i, t in enumerate(tmask[0].tolist()) if t] == [5, 6, 7, 8]
+    assert [i for i, t in enumerate(tmask[1].tolist()) if t] == [14, 15, 16]
+    with pytest.raises(ValueError, match="not SFT target sources"):
+        decompose(_hand_traj(), target_sources=(Source.TOOL,))
+
+
+def test_saved_reflections_load_in_either_row_form():
+    from keel.signals.state import _with_sources
+
+    new = [[1, 2, 3], [0, 5, 5], "t", 0]
+    assert _with_sources(new) == new
+    assert _with_sources([[1, 2, 3], [False, True, True], "t", 0]) == new  # rows saved as target flags
 
 
 def test_packed_equals_single_step_loss(tiny):

@@ -9,8 +9,8 @@ interleaving 1e-5 beat 1e-6). `Schedule` holds that choice as data and answers t
 `sync_weight(kind)` (weight of a supervision loss inside the RL update).
 
 The `signals:` section of the run config (SignalsConfig) is declared and checked in keel.config
-with every other section; `Schedule.from_config` turns it into a schedule. `supervision_backward`
-and `run_phase` are the two ways the loop applies a supervision loss; `run_phase` gives the same update as train.py's `sft_step` (tested).
+with every other section; `Schedule.from_config` turns it into a schedule. `keel.sft.supervision_backward`
+(re-exported here) and `run_phase` are the two ways the loop applies a supervision loss; `run_phase` gives the same update as train.py's `sft_step` (tested).
 Where Keel departs: a supervision phase uses its own AdamW, created fresh for the phase, so
 Adam moments of SFT and RL never mix (paper A does not say); supervision data kinds are "sft"
 (gold trajectories of all training tasks), "ets" (gold of recently failed tasks) and
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from keel.config import SUPERVISION_KINDS, Config, SignalsConfig, apply_dict, check_signals, supervision_kinds
+from keel.sft import supervision_backward  # noqa: F401  (re-exported: the phases below and the synchronous paradigm use it)
 
 
 def signals_from_dict(d: dict[str, Any]) -> SignalsConfig:
@@ -95,46 +96,7 @@ class Schedule:
         return dict(self.weights)[kind]
 
 
-# --- applying a supervision loss ------------------------------------------------------------------------
-
-
-def supervision_backward(model, examples: Sequence, pad_id: int, weight: float = 1.0, micro: int = 8, autocast: bool = False,
-                         max_tokens: int = 0) -> float:
-    """Accumulate gradients of weight · NLL over the examples' targets (token-mean over all of
-    them, `keel.losses.sft_loss`); no optimizer step. Returns the unweighted loss.
-
-    Synchronous paradigm: call it inside the RL update, after the GRPO micro-batches' backward
-    and before gradient clipping, once per kind with `Schedule.sync_weight(kind)`.
-    `autocast`: bf16 autocast of the forward, as train.py's `model.autocast`; micro-batches hold at
-    most `micro` examples and `max_tokens` encoded positions (`keel.logprobs.micro_batches`), and
-    the examples' common prefix is encoded once for all of them (`keel.logprobs.SharedPrefix`).
-    train.py's `sft_step` is this plus the optimizer step.
-    """
-    import torch
-
-    from keel.logprobs import micro_batches, token_logprobs, update_prefix
-    from keel.losses import sft_loss
-    from keel.sft import collate_sft
-
-    if not examples:
-        return 0.0
-    n_targets = sum(sum(e.targets[1:]) for e in examples)
-    total = 0.0
-    device = next(model.parameters()).device
-    sequences = [e.token_ids for e in examples]
-    parts = micro_batches(sequences, micro, max_tokens)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        prefix = update_prefix(model, sequences, parts)
-    for idx in parts:
-        ids, attn, tmask = collate_sft([examples[i] for i in idx], pad_id)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logp, _ = token_logprobs(model, ids.to(device), attn.to(device), tmask.to(device), prefix=prefix)
-        loss = sft_loss(logp, n_targets)
-        (loss * weight).backward()
-        total += float(loss.detach())
-    if prefix is not None:
-        prefix.backward()
-    return total
+# --- applying a supervision loss (keel.sft.supervision_backward) --------------------------------------
 
 
 def run_phase(model, examples: Sequence, phase: SupervisionPhase, pad_id: int, max_grad_norm: float,

@@ -24,7 +24,7 @@ from keel.signals.ets import ETSBuffer
 from keel.signals.hints import HintPolicy
 from keel.signals.reflection import LLMAnalyzer, RuleAnalyzer
 from keel.signals.schedule import Schedule
-from keel.types import Env, Task, Trajectory, env_call_format
+from keel.types import Env, Source, Task, Trajectory, env_call_format
 
 
 class SignalState:
@@ -108,13 +108,13 @@ class SignalState:
 
     def state_dict(self) -> dict[str, Any]:
         """{"ets": ..., "hints": ... (each only when that signal is on), "reflections": [(token_ids,
-        targets, task_id, turn), ...]}."""
+        sources, task_id, turn), ...]}."""
         out: dict[str, Any] = {}
         if self.ets is not None:
             out["ets"] = self.ets.state_dict()
         if self.hint_policy is not None:
             out["hints"] = self.hint_policy.state_dict()
-        out["reflections"] = [(e.token_ids, e.targets, e.task_id, e.turn) for e in self.reflections]
+        out["reflections"] = [(e.token_ids, e.sources, e.task_id, e.turn) for e in self.reflections]
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -124,4 +124,13 @@ class SignalState:
         if self.hint_policy is not None and "hints" in state:
             self.hint_policy.load_state_dict(state["hints"])
         if "reflections" in state:
-            self.reflections = [SFTExample(*r) for r in state["reflections"]]
+            self.reflections = [SFTExample(*_with_sources(r)) for r in state["reflections"]]
+
+
+def _with_sources(row: list) -> list:
+    """A saved reflection row; rows saved before SFT rows carried sources held target flags
+    (True → REFLECTION, False → PROMPT, the same loss)."""
+    ids, marks, *rest = row
+    if all(isinstance(m, bool) for m in marks):
+        marks = [int(Source.REFLECTION) if m else int(Source.PROMPT) for m in marks]
+    return [ids, marks, *rest]
