@@ -32,7 +32,7 @@ from keel import checkpoint
 from keel import metrics as M
 from keel.config import Config, GRPOConfig
 from keel.diagnostics.step_metrics import rl_step_metrics
-from keel.distributed import (DistContext, ShardedUpdate, advantages, all_reduce_sum, gather_objects, gather_telemetry, init_distributed, row_seed,
+from keel.distributed import (DistContext, ShardedUpdate, gather_objects, gather_telemetry, init_distributed, row_seed,
                               shard_groups, sharded_sft_step)
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
 from keel.losses import aggregate, clipped_surrogate, kl_estimate
@@ -44,7 +44,7 @@ from keel.run import (Run, check_distributed_config, evaluate, evaluate_rl, fini
                       next_batch, progress_bar, refresh_report, run_directory, start, warm_start_examples)
 from keel.rundir import RunDirError
 from keel.sft import SFTExample, supervision_backward
-from keel.signals.ops import expert_members, group_with_experts, sampled_rows
+from keel.signals.ops import sampled_rows
 from keel.signals.schedule import run_phase
 from keel.types import Source, Trajectory, close_env
 
@@ -342,9 +342,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     s, g = cfg.signals, cfg.grpo
     t0 = time.time()
     batch_tasks = [run.train_tasks[i] for i in next_batch(run, p.rl_order, cfg.rollout.prompts_per_step, len(run.train_tasks), run.strata)]
-    # OPS "replace" (the authors' replace_num=1): the gold trajectory takes one slot of each group
-    n_replace = s.ops.members if s.ops.enabled and s.ops.mode == "replace" else 0
-    rows, groups = sampled_rows(batch_tasks, cfg.rollout.group_size, n_replace)
+    rows, groups = sampled_rows(batch_tasks, cfg.rollout.group_size, signals.replaced_slots())
     mine = shard_groups(len(batch_tasks), ctx)
     keep = [i for i, k in enumerate(groups) if k in mine]
     local_rows, local_groups = [rows[i] for i in keep], [groups[i] for i in keep]
@@ -361,15 +359,8 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     group_rewards = [[tr.reward for tr, k in zip(trajs, groups) if k == j] for j in range(len(batch_tasks))]
     signal_line.update(signals.observe(p.rl_done, [t.id for t in batch_tasks], group_rewards))
     local_rewards = torch.tensor([tr.reward for tr in local])
-    members = local
-    if s.ops.enabled:  # OPS: gold members join the group; advantages over both kinds (Eq. 4)
-        experts = [e for k in mine for e in expert_members(run.tok, run.env, batch_tasks[k], s.ops.members, group=k, cache=signals.gold_cache)]
-        expert_rewards = [run.reward_fn(e, batch_tasks[e.group])[0] for e in experts]
-        mixed_groups = group_with_experts(local, local_rewards, experts, expert_rewards, local_groups, g.scale_by_std)
-        members, adv = mixed_groups.trajectories, mixed_groups.advantages
-        signal_line[M.SIGNAL_OPS_MEMBERS] = all_reduce_sum([len(experts)], ctx)[0]
-    else:
-        adv = advantages(local_rewards, local_groups, g, ctx)
+    members, adv, ops_line = signals.members(local, local_rewards, local_groups, batch_tasks, mine, run.reward_fn, g, ctx)  # OPS: + gold members
+    signal_line.update(ops_line)
     if signals.analyzer is not None:  # PRS (one process only): reflections on failed episodes join the pool
         signal_line.update(signals.reflect(trajs, run.rng))
     extra = signals.sync_losses(run.rng)  # synchronous paradigm: supervision losses inside this update

@@ -9,8 +9,9 @@ state: gold trajectories are deterministic, rebuilt on demand after a resume.
 
 keel.train.rl_step asks the signals, in this order: `hints` (before sampling), `observe` (after
 the rewards), `reflect` (PRS), `sync_losses` (the synchronous paradigm's extra losses) and
-`old_from_policy` (which rows' old log-probs the update takes from the policy); OPS, which
-changes the groups themselves, stays in rl_step.
+`old_from_policy` (which rows' old log-probs the update takes from the policy); OPS changes
+the groups themselves: `replaced_slots` (before sampling) and `members` (the rows the update
+trains on, with their advantages).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 from keel import metrics as M
-from keel.config import SignalsConfig
+from keel.config import GRPOConfig, SignalsConfig
+from keel.distributed import DistContext, advantages, all_reduce_sum
 from keel.sft import SFTExample, cached_gold_trajectory, decompose
 from keel.signals.ets import ETSBuffer
+from keel.signals.ops import expert_members, group_with_experts
 from keel.signals.hints import HintPolicy
 from keel.signals.reflection import LLMAnalyzer, RuleAnalyzer
 from keel.signals.schedule import Schedule
@@ -75,6 +78,25 @@ class SignalState:
             return {}
         self.ets.observe(rl_step, task_ids, group_rewards)
         return {M.SIGNAL_ETS_BUFFER: float(len(self.ets))}
+
+    def replaced_slots(self) -> int:
+        """Before sampling: the group slots gold members take from sampled rows (OPS "replace",
+        the authors' replace_num=1); 0 otherwise."""
+        ops = self.cfg.ops
+        return ops.members if ops.enabled and ops.mode == "replace" else 0
+
+    def members(self, local: list[Trajectory], rewards, groups: list[int], batch_tasks: list[Task], mine: list[int], reward_fn,
+                grpo: GRPOConfig, ctx: DistContext) -> tuple[list[Trajectory], Any, dict[str, float]]:
+        """After the rewards: (the trajectories this rank's update trains on, their advantages,
+        signal/ops_members). Without OPS the sampled rows with GRPO's advantages
+        (`keel.distributed.advantages`); with OPS each of this rank's groups (`mine`) gains its
+        gold members and advantages are taken over both kinds (Eq. 4)."""
+        if not self.cfg.ops.enabled:
+            return local, advantages(rewards, groups, grpo, ctx), {}
+        experts = [e for k in mine for e in expert_members(self.tokenizer, self.env, batch_tasks[k], self.cfg.ops.members, group=k, cache=self.gold_cache)]
+        expert_rewards = [reward_fn(e, batch_tasks[e.group])[0] for e in experts]
+        mixed = group_with_experts(local, rewards, experts, expert_rewards, groups, grpo.scale_by_std)
+        return mixed.trajectories, mixed.advantages, {M.SIGNAL_OPS_MEMBERS: all_reduce_sum([len(experts)], ctx)[0]}
 
     def reflect(self, trajs: list[Trajectory], rng) -> dict[str, float]:
         """PRS: reflections on failed episodes (visited in an order drawn from `rng`) join the pool,
