@@ -88,17 +88,6 @@ def render_system(instructions: str, tools: list[dict[str, Any]]) -> str:
     return f"{IM_START}system\n{body}{IM_END}\n"
 
 
-def render_prompt(instructions: str, tools: list[dict[str, Any]], user: str, hint: str | None = None) -> str:
-    """System + first user message + the assistant header the policy continues from.
-
-    `hint`, when given, is appended to the system block's instructions; callers that need the
-    hint as separately-sourced tokens use `render_prompt_parts` instead.
-    """
-    if hint:
-        instructions = (instructions + "\n\n" + hint) if instructions else hint
-    return render_system(instructions, tools) + f"{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n"
-
-
 def render_tool_responses(results: list[str]) -> str:
     """Text appended after an assistant turn that made calls: the tool results, then a new
     assistant header. Starts with the "\\n" that follows the assistant's <|im_end|>."""

@@ -50,8 +50,6 @@ from keel.types import Step, Task, Trajectory
 
 RewardFn = Callable[[Trajectory, Task], tuple[float, dict[str, float]]]
 
-ENTITY_VERBS = ("get_tail_entities", "get_head_entities")
-RELATION_VERBS = ("get_tail_relations", "get_head_relations")
 # R-toolverbs weights (authors' code; their notes list different ones): retrieving entities is
 # worth more than listing relations, which never returns [] for a known entity.
 VERB_WEIGHTS = {"get_tail_entities": 1.0, "get_head_entities": 1.0, "get_tail_relations": 0.3, "get_head_relations": 0.3}

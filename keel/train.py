@@ -162,7 +162,7 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
             if not examples:
                 continue
             value = supervision_backward(model, examples, pad_id, weight, g.micro_batch_size, autocast, max_tokens)
-            stats[{"sft": M.LOSS_SFT, "ets": M.LOSS_ETS, "reflection": M.LOSS_REFLECTION}[kind]] = value
+            stats[M.supervision_loss_key(kind)] = value
             extra_total += weight * value
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g.max_grad_norm)
     total = sums["pg"] + g.kl_coef * sums["kl"] + extra_total
@@ -361,8 +361,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     local_rewards = torch.tensor([tr.reward for tr in local])
     members, adv, ops_line = signals.members(local, local_rewards, local_groups, batch_tasks, mine, run.reward_fn, g, ctx)  # OPS: + gold members
     signal_line.update(ops_line)
-    if signals.analyzer is not None:  # PRS (one process only): reflections on failed episodes join the pool
-        signal_line.update(signals.reflect(trajs, run.rng))
+    signal_line.update(signals.reflect(trajs, run.rng))  # PRS (one process only): reflections on failed episodes join the pool
     extra = signals.sync_losses(run.rng)  # synchronous paradigm: supervision losses inside this update
     t1 = time.time()
     old_from_policy = signals.old_from_policy(members, other_sampler=run.sampler is not run.model or cfg.model.autocast)

@@ -21,13 +21,12 @@ import argparse
 import random
 
 from keel.kg import synth
+from keel.kg.base import VERBS
 from keel.kg.env import KGEnv, KGEnvConfig
 from keel.episode import run_text_episode
 from keel.kg.oracle import oracle_policy, parse_observation
 from keel.rewards import r_stepwise, r_stepwise_released
 from keel.types import Step, ToolCall, Trajectory
-
-VERBS = ("get_tail_relations", "get_head_relations", "get_tail_entities", "get_head_entities")
 
 
 def random_episode(env: KGEnv, kg, task, rng: random.Random, random_only: bool = False) -> Trajectory:

@@ -42,7 +42,8 @@ from typing import Any
 
 from keel.answers import exact_match, normalise
 from keel.kg.base import KGStore
-from keel.rewards import ENTITY_VERBS, answer_text, is_empty_observation, returned_entities
+from keel.kg.base import ENTITY_VERBS
+from keel.rewards import answer_text, is_empty_observation, returned_entities
 from keel.types import Step, Task, Trajectory
 
 CATEGORIES = ("format", "no_retrieval", "unverifiable", "answer_extraction", "relation_selection", "composition")

@@ -20,6 +20,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+# Paper B's four verbs, the one definition (the env serves them; rewards and diagnostics read them).
+RELATION_VERBS = ("get_tail_relations", "get_head_relations")
+ENTITY_VERBS = ("get_tail_entities", "get_head_entities")
+VERBS = RELATION_VERBS + ENTITY_VERBS
 
 class KGStore(Protocol):
     def tail_relations(self, entity: str) -> list[str]:

@@ -27,11 +27,9 @@ import json
 from typing import Any
 
 from keel.config import KGEnvConfig
+from keel.kg.base import ENTITY_VERBS, RELATION_VERBS, VERBS
 from keel.types import Observation, Task, ToolCall
 
-RELATION_VERBS = ("get_tail_relations", "get_head_relations")
-ENTITY_VERBS = ("get_tail_entities", "get_head_entities")
-VERBS = RELATION_VERBS + ENTITY_VERBS
 _MAX_ECHO = 60  # characters of a bad argument quoted back in an informative error line
 
 

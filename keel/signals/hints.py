@@ -13,8 +13,9 @@ Where Keel departs:
   it was sampled, a curriculum paper A does not describe (it is off by default);
 - the importance ratio: Keel's stored "old" log-probs of a hinted row are the sampling ones
   (conditioned on the hint), while verl recomputes old log-probs on the training sequence
-  (hint-free), giving ratio 1 at the step. The integration plan in the report says how to get
-  the authors' behaviour (treat hinted rows' old log-probs like expert tokens).
+  (hint-free), giving ratio 1 at the step. `signals.hint.recompute_old_logprobs` gives the
+  authors' behaviour: hinted rows' old log-probs are taken from the policy before the update
+  on the hint-free sequence (`SignalState.old_from_policy`).
 """
 
 from __future__ import annotations

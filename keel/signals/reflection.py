@@ -30,7 +30,8 @@ from typing import Any, Sequence
 
 from keel.answers import exact_match
 from keel.chat import IM_END, render_user_turn
-from keel.rewards import ENTITY_VERBS, is_empty_observation
+from keel.kg.base import ENTITY_VERBS
+from keel.rewards import is_empty_observation
 from keel.sft import SFTExample, decompose
 from keel.types import Env, Source, Step, Task, ToolCall, Trajectory, begin_step, env_call_format, is_function_calling
 

@@ -5,8 +5,9 @@ with EM = 1, at least one successful call and a valid format (50.9% kept), runs 
 base model on them, then GRPO (EM 40.0%, CvT 5.81%). Here: `select` is the filter,
 `self_distillation_examples` turns the kept episodes (their own sampled tokens, relabelled as
 targets) into SFT examples, `write_trajectories`/`read_trajectories` carry them from the
-checkpoint's run to the next run. The lead's loop wires: greedy rollouts → select → SFT from
-the base → GRPO.
+checkpoint's run to the next run. `keel distill` does the greedy rollouts and the selection;
+a run with `signals.self_distill.trajectories` set warm-starts on them (SFT from the base),
+then GRPO.
 
 Where Keel departs: on function-calling tasks (no answer string) "EM = 1" is BFCL's checker
 verdict and "valid format" is "every call parsed"; "successful call" is a call that parsed,

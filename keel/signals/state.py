@@ -100,7 +100,10 @@ class SignalState:
 
     def reflect(self, trajs: list[Trajectory], rng) -> dict[str, float]:
         """PRS: reflections on failed episodes (visited in an order drawn from `rng`) join the pool,
-        the newest signals.reflection.pool kept. Returns signal/reflections and signal/reflection_errors."""
+        the newest signals.reflection.pool kept. Returns signal/reflections and signal/reflection_errors
+        ({} without PRS)."""
+        if self.analyzer is None:
+            return {}
         from keel.signals.reflection import collect_reflections, reflection_example
 
         r = self.cfg.reflection
