@@ -236,6 +236,12 @@ def loop(run: Run, resume: bool) -> dict[str, Any]:
         make_reference(run)
         if cfg.run.save_checkpoints:
             checkpoint.save(run, "reference", run.model if run.lora is not None else run.ref_model, None, {"step": p.step})
+        start = p.summary.get("eval_after_sft") or p.summary.get("eval_before_sft")
+        if start:  # where RL starts is the first peak and the detectors' first eval: a cliff in the first window is caught
+            handle_alerts(run, dict(start))
+            p.peak = {"step": p.step, **start}
+            if cfg.run.save_checkpoints:
+                checkpoint.save(run, "peak", run.model, None, {"step": p.step, "eval": start})
         g = cfg.grpo
         run.optimizer, run.scheduler = make_optimizer(run.model, g.lr, g.warmup_steps, g.weight_decay, g.adam_eps)
         checkpoint.save_latest(run)

@@ -63,6 +63,22 @@ def test_rl_from_a_checkpoint_reports_its_lift_against_the_first_eval(tmp_path):
     assert "RL lifted dev EM" in r.stdout
 
 
+def test_the_eval_rl_starts_from_is_the_detectors_first_and_the_first_peak(tmp_path):
+    # A cliff in RL's first eval window (post-SFT EM 0.60 → 0.00 two steps later, R-selfV at lr 6e-5)
+    # went unseen while the detectors first met an eval at the first RL one.
+    out = tmp_path / "run"
+    r = keel("train", "configs/smoke.yaml", "--out", str(out), "--set", "run.progress=false")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    start, em = summary["eval_after_sft_step"], summary["eval_after_sft"]["eval/em"]
+    state = json.loads((out / "checkpoints" / "latest" / "trainer_state.json").read_text())
+    assert state["detectors"]["series"]["eval/em"][0] == [float(start), em]
+    peak = json.loads((out / "checkpoints" / "peak" / "trainer_state.json").read_text())
+    assert summary["peak"]["step"] == peak["step"] and summary["peak"]["eval/em"] >= em  # RL's start counts: never below it
+    if summary["peak"]["eval/em"] == em:
+        assert summary["peak"]["step"] == start  # no RL eval beat where RL started: a rollback goes there
+
+
 def test_existing_run_directory_is_refused_and_untouched(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
