@@ -144,3 +144,18 @@ def test_bad_config_and_garbage_values():
         DetectorConfig(cliff=CliffConfig(action="explode"))
     det = Detectors()
     assert det.update(0, {"step": 0, "eval/em": float("nan"), "reward/mean": "x", "tools/per_question": None}) == []
+
+
+def test_replay_of_a_committed_collapse_raises_the_cliff_where_the_fixed_loop_would():
+    # results/issue12/composition-lr6e-5-collapsed: post-SFT eval at step 20 (EM 0.48), 6 RL steps,
+    # final eval at step 26 (EM 0.00). Fed the post-SFT eval first, the cliff fires at 26.
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("replay_detectors", repo / "scripts" / "replay_detectors.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    alerts = module.replay(repo / "results" / "issue12" / "composition-lr6e-5-collapsed", [])
+    cliffs = [a for a in alerts if a["kind"] == "cliff"]
+    assert [(a["step"], a["evidence"]["peak"], a["evidence"]["peak_step"], a["evidence"]["eval/em"]) for a in cliffs] == [(26, 0.48, 20, 0.0)]
