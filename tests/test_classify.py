@@ -184,6 +184,32 @@ def test_answers_vanishing_while_calls_rise_is_mode_1_not_the_cliff(tmp_path):
     assert d["mode"] == "spec_gaming_cliff"
 
 
+def eval_only(ems, tools, entropy, every=50):
+    """A history like paper B's monitored runs: eval-only lines, 50 steps apart."""
+    return [{"step": i * every, "eval/em": em, "eval/f1": em, "eval/cvt": em / 2, "eval/tools_per_question": t, "tokens/entropy": h}
+            for i, (em, t, h) in enumerate(zip(ems, tools, entropy))]
+
+
+def test_eval_only_histories_of_the_three_shapes_once_missed(tmp_path):
+    # EM ≈ 0 for the whole run at very low entropy (some calls still made): mode 1, not healthy.
+    d = diagnose(write_run(tmp_path / "never", eval_only([0.0, 0.01, 0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.8, 0.6, 0.6, 0.5, 0.5, 0.5], [0.05] * 7)))
+    assert d["mode"] == "sparse_format_collapse"
+    # EM rises to a peak, then falls to 0 while calls stop parsing (tools/question → 0): drift, not
+    # the cliff, whose calls fall to about one.
+    d = diagnose(write_run(tmp_path / "drift", eval_only([0.1, 0.25, 0.33, 0.38, 0.2, 0.0, 0.0], [2.5, 2.6, 2.4, 2.0, 0.6, 0.0, 0.0], [1.2, 1.1, 1.0, 0.9, 0.4, 0.2, 0.2])))
+    assert d["mode"] == "format_drift"
+    assert d["evidence"]["scores"]["spec_gaming_cliff"]["qualifies"] is False
+    # Three evaluations, EM falling from the first to 0 over two windows: a collapse, not healthy.
+    d = diagnose(write_run(tmp_path / "short", eval_only([0.3, 0.15, 0.0], [2.0, 2.0, 2.0], [0.8, 0.7, 0.6])))
+    assert d["mode"] == "sparse_format_collapse"
+    # The paper's mode-4 run, eval-only: peak 0.395, then 0 inside one window with calls 3 → 1.
+    d = diagnose(write_run(tmp_path / "cliff", eval_only([0.2, 0.3, 0.35, 0.37, 0.38, 0.395, 0.0], [3.0] * 6 + [1.0], [1.2] * 7)))
+    assert d["mode"] == "spec_gaming_cliff"
+    # A healthy eval-only run stays healthy.
+    d = diagnose(write_run(tmp_path / "healthy", eval_only([0.1, 0.2, 0.25, 0.3, 0.3, 0.32, 0.33], [2.5] * 7, [1.0] * 7)))
+    assert d["mode"] == "healthy"
+
+
 def test_ritual(tmp_path):
     lines = history(em=lambda s: 0.325, tools=lambda s: 1.0, extra=lambda s: {"eval/cvt": 0.0003, "eval/tool_lift": 0.0} if s % 50 == 0 else {})
     d = diagnose(write_run(tmp_path / "run", lines, samples={300: [RITUAL] * 5}))

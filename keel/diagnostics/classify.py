@@ -12,14 +12,17 @@ Inputs, all optional and read tolerantly (a torn or garbage line is skipped and 
 "Late" / "early" values are means over the last / first 20% of logged points.
 
 Required signals per mode (the others add to the score):
-- sparse_format_collapse: late EM ≤ 0.02, and late tools/question ≤ 0.1 or late answered
-  share ≤ 0.5 (paper B's table: "`<answer>` disappears, EM 0"; its text: "no tool calls");
+- sparse_format_collapse: late EM ≤ 0.02 and EM never rose ≥ 0.05 above the run's first eval
+  (scored: tools/question ≤ 0.1, answered share ≤ 0.5 — paper B's table: "`<answer>`
+  disappears, EM 0", its text: "no tool calls" —, entropy halved);
 - ritual: late tools/question in (0.5, 1.5] and late EM ≥ 0.05 (scored: CvT ≤ 0.01, tool lift
   ≈ 0, one verb ≥ 90% of calls);
-- format_drift: late `collapse/format_drift` (or the samples' share) ≥ 0.2;
+- format_drift: late `collapse/format_drift` (or the samples' share) ≥ 0.2, or, where no drift
+  share was measured (eval-only histories), EM rose, then fell to ≤ 30% of its peak while
+  tools/question fell to ≤ 0.1 (calls no longer parsed);
 - spec_gaming_cliff: an eval where EM ≤ 30% of its running peak (≥ 0.1) right after an eval
-  within 0.1 of the peak, and, where tools/question was recorded there, calls falling to ≤ 1.5
-  and ≤ 60% of before (scored: entropy not halved; quote-and-stop samples);
+  within 0.1 of the peak, and, where tools/question was recorded there, calls falling to about
+  one (0.5–1.5) and ≤ 60% of before (scored: entropy not halved; quote-and-stop samples);
 - control_token_collapse: peak `kl/control_share` ≥ 0.5 and ≥ 2× early, or the pollution +
   full-collapse share up by ≥ 0.2.
 A mode wins when all its required signals hold; among winners the highest share of satisfied
@@ -177,6 +180,22 @@ def _cliff(em: list[tuple[int, float]]) -> dict[str, Any] | None:
     return None
 
 
+def _rose(em: list[tuple[int, float]]) -> bool | None:
+    """Did dev EM rise during the run: a later eval ≥ 0.05 above the first? None: fewer than two evals.
+    A run's first eval is where it started (the base model, or the SFT warm-start), not learning."""
+    if len(em) < 2:
+        return None
+    return max(v for _, v in em[1:]) >= em[0][1] + 0.05
+
+
+def _fell_from_peak(em: list[tuple[int, float]]) -> bool | None:
+    """Is the last eval ≤ 30% of the peak (≥ 0.1) of the evals before it, at any pace."""
+    if len(em) < 2:
+        return None
+    peak = max(v for _, v in em[:-1])
+    return peak >= 0.1 and em[-1][1] <= 0.3 * peak
+
+
 def _value_near(points: list[tuple[int, float]], step: int) -> float | None:
     before = [v for s, v in points if s <= step]
     return before[-1] if before else None
@@ -202,13 +221,16 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     answered = _tail(run.series(EVAL_ANSWERED))
     no_calls = None if late_tools is None else late_tools <= 0.1
     answer_gone = None if answered is None else answered <= 0.5
+    rose = _rose(em)
+    # Mode 1 is the policy that never found the reward: EM ends at ≈ 0 and never rose above where
+    # the run started. Paper B's table: "<answer> disappears, EM 0"; its text: "no tool calls,
+    # low-entropy output, EM 0" — either face, scored.
     out["sparse_format_collapse"] = [
         _signal("tools/question ≈ 0 (≤ 0.1)", _rounded(late_tools), no_calls, 2),
         _signal("EM ≈ 0 (≤ 0.02)", _rounded(late_em), None if late_em is None else late_em <= 0.02, 2, True),
+        _signal("EM never rose above its first eval (+0.05)", None if rose is None else not rose, None if rose is None else not rose, 0, True),
         _signal("entropy ≤ 0.5 × early", _rounded(entropy_ratio), None if entropy_ratio is None else entropy_ratio <= 0.5),
         _signal("answered share ≤ 0.5", _rounded(answered), answer_gone, 2),  # as strong as "no calls": the other face of the mode
-        # Paper B's table says "<answer> disappears, EM 0"; its text "no tool calls, EM 0": either.
-        _signal("no tool calls or no answers", None, bool(no_calls) or bool(answer_gone), 0, True),
     ]
 
     cvt, lift = _tail(run.series(EVAL_CVT)), _tail(run.series(EVAL_TOOL_LIFT))
@@ -224,8 +246,13 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     drift = _tail(run.series(COLLAPSE_FORMAT_DRIFT))
     if drift is None and facts:
         drift = facts["drift_share"]
+    # Without a drift measurement (eval-only histories), its outcome: EM rose, then fell from its
+    # peak while calls stopped parsing (tools/question ≈ 0) — a policy that had learned the format.
+    vanished = None if drift is not None or rose is None or no_calls is None else bool(rose and _fell_from_peak(em) and no_calls)
     out["format_drift"] = [
-        _signal("format drift share ≥ 0.2", _rounded(drift), None if drift is None else drift >= 0.2, 3, True),
+        _signal("format drift share ≥ 0.2", _rounded(drift), None if drift is None else drift >= 0.2, 3),
+        _signal("EM rose, then fell from its peak as calls vanished", vanished, vanished, 3),
+        _signal("drift share ≥ 0.2, or (unmeasured) calls vanished after a peak", None, bool(drift is not None and drift >= 0.2) or bool(vanished), 0, True),
         _signal("entropy ≤ 0.5 × early", _rounded(entropy_ratio), None if entropy_ratio is None else entropy_ratio <= 0.5),
         _signal("samples: tool tags inside <think>", _rounded(facts["drift_share"]) if facts else None, None if not facts else facts["drift_share"] > 0),
     ]
@@ -235,12 +262,13 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     tools_before = tools_after = None
     if cliff:
         tools_before, tools_after = _value_near(tools, cliff["previous_step"]), _value_near(tools, cliff["step"])
-    volume_drop = None if tools_before is None or tools_after is None else (tools_after <= 1.5 and tools_after <= 0.6 * tools_before)
+    # "tools/question 3.0 → 1.0": one call per question, not none (calls that stop parsing are drift)
+    volume_drop = None if tools_before is None or tools_after is None else (0.5 <= tools_after <= 1.5 and tools_after <= 0.6 * tools_before)
     out["spec_gaming_cliff"] = [
         _signal("EM cliff after a peak within one eval window", cliff, None if not em else cliff is not None, 3, True),
         # The call-volume fall is what tells mode 4 from any other collapse: required wherever
         # tools/question was recorded around the cliff.
-        _signal("tools/question drops to ~1 in the same window", [tools_before, tools_after] if cliff else None, volume_drop if cliff else None, 2,
+        _signal("tools/question drops to ~1 (0.5–1.5) in the same window", [tools_before, tools_after] if cliff else None, volume_drop if cliff else None, 2,
                 required=volume_drop is not None),
         _signal("entropy not collapsed (≥ 0.5 × early)", _rounded(entropy_ratio), None if entropy_ratio is None else entropy_ratio >= 0.5),
         _signal("samples: quote-and-stop ≥ 50%", _rounded(facts["quote_and_stop_share"]) if facts else None, None if not facts else facts["quote_and_stop_share"] >= 0.5),
