@@ -205,6 +205,10 @@ def test_eval_only_histories_of_the_three_shapes_once_missed(tmp_path):
     # The paper's mode-4 run, eval-only: peak 0.395, then 0 inside one window with calls 3 → 1.
     d = diagnose(write_run(tmp_path / "cliff", eval_only([0.2, 0.3, 0.35, 0.37, 0.38, 0.395, 0.0], [3.0] * 6 + [1.0], [1.2] * 7)))
     assert d["mode"] == "spec_gaming_cliff"
+    # Our R-selfV run at lr 6e-5 (results/ladder/ladder_r_selfv-s0): EM fell a window before the
+    # calls did (EM 0.60 → 0 at step 2 with 2.0 calls; 1.0 call from step 4 on): still mode 4.
+    d = diagnose(write_run(tmp_path / "calls_later", eval_only([0.6, 0.0, 0.0, 0.0, 0.0], [2.2, 2.0, 1.0, 1.0, 1.0], [0.02] * 5, every=2)))
+    assert d["mode"] == "spec_gaming_cliff"
     # A healthy eval-only run stays healthy.
     d = diagnose(write_run(tmp_path / "healthy", eval_only([0.1, 0.2, 0.25, 0.3, 0.3, 0.32, 0.33], [2.5] * 7, [1.0] * 7)))
     assert d["mode"] == "healthy"

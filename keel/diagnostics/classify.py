@@ -22,7 +22,7 @@ Required signals per mode (the others add to the score):
   tools/question fell to ≤ 0.1 (calls no longer parsed);
 - spec_gaming_cliff: an eval where EM ≤ 30% of its running peak (≥ 0.1) right after an eval
   within 0.1 of the peak, and, where tools/question was recorded there, calls falling to about
-  one (0.5–1.5) and ≤ 60% of before (scored: entropy not halved; quote-and-stop samples);
+  one (0.5–1.5) and ≤ 60% of before, at the cliff or by the end (scored: entropy not halved; quote-and-stop samples);
 - control_token_collapse: peak `kl/control_share` ≥ 0.5 and ≥ 2× early, or the pollution +
   full-collapse share up by ≥ 0.2.
 A mode wins when all its required signals hold; among winners the highest share of satisfied
@@ -261,14 +261,15 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     context["cliff"] = cliff
     tools_before = tools_after = None
     if cliff:
-        tools_before, tools_after = _value_near(tools, cliff["previous_step"]), _value_near(tools, cliff["step"])
+        # after: where the calls ended (late), not only at the cliff's eval — EM may fall a window before the calls do
+        tools_before, tools_after = _value_near(tools, cliff["previous_step"]), min(_value_near(tools, cliff["step"]), late_tools)
     # "tools/question 3.0 → 1.0": one call per question, not none (calls that stop parsing are drift)
     volume_drop = None if tools_before is None or tools_after is None else (0.5 <= tools_after <= 1.5 and tools_after <= 0.6 * tools_before)
     out["spec_gaming_cliff"] = [
         _signal("EM cliff after a peak within one eval window", cliff, None if not em else cliff is not None, 3, True),
         # The call-volume fall is what tells mode 4 from any other collapse: required wherever
         # tools/question was recorded around the cliff.
-        _signal("tools/question drops to ~1 (0.5–1.5) in the same window", [tools_before, tools_after] if cliff else None, volume_drop if cliff else None, 2,
+        _signal("tools/question drops to ~1 (0.5–1.5) from the cliff on", [tools_before, tools_after] if cliff else None, volume_drop if cliff else None, 2,
                 required=volume_drop is not None),
         _signal("entropy not collapsed (≥ 0.5 × early)", _rounded(entropy_ratio), None if entropy_ratio is None else entropy_ratio >= 0.5),
         _signal("samples: quote-and-stop ≥ 50%", _rounded(facts["quote_and_stop_share"]) if facts else None, None if not facts else facts["quote_and_stop_share"] >= 0.5),
