@@ -116,11 +116,11 @@ TOKENS_CONTROL_FREQ_RATIO_PREFIX = "tokens/freq_ratio/"  # + tag: (policy + 0.1)
 TOKENS_CONTROL_FREQ_MAX_RATIO = "tokens/freq_max_ratio"  # largest of those ratios
 # loss/ and signal/ (keel.signals)
 LOSS_ETS = "loss/ets"  # synchronous ETS: NLL of gold single-step examples of recently all-failed prompts
+SIGNAL_REFLECTION_ERRORS = "signal/reflection_errors"  # analyzer calls that failed (endpoint errors) at this step
+SIGNAL_PHASE = "signal/phase_steps"  # optimizer steps of the interleaved supervision phase run after this RL step
 
 
 def supervision_loss_key(kind: str) -> str:
     """The metric of a supervision kind's loss inside an RL update (synchronous paradigm):
     loss/sft, loss/ets, loss/reflection — "loss/" + the kind, so a new kind needs no entry here."""
     return "loss/" + kind
-SIGNAL_REFLECTION_ERRORS = "signal/reflection_errors"  # analyzer calls that failed (endpoint errors) at this step
-SIGNAL_PHASE = "signal/phase_steps"  # optimizer steps of the interleaved supervision phase run after this RL step

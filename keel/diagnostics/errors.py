@@ -41,8 +41,7 @@ from collections import Counter
 from typing import Any
 
 from keel.answers import exact_match, normalise
-from keel.kg.base import KGStore
-from keel.kg.base import ENTITY_VERBS
+from keel.kg.base import ENTITY_VERBS, KGStore
 from keel.rewards import answer_text, is_empty_observation, returned_entities
 from keel.types import Step, Task, Trajectory
 

@@ -25,6 +25,7 @@ RELATION_VERBS = ("get_tail_relations", "get_head_relations")
 ENTITY_VERBS = ("get_tail_entities", "get_head_entities")
 VERBS = RELATION_VERBS + ENTITY_VERBS
 
+
 class KGStore(Protocol):
     def tail_relations(self, entity: str) -> list[str]:
         """Relations r with a triple (entity, r, ?)."""

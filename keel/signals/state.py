@@ -23,8 +23,8 @@ from keel.config import GRPOConfig, SignalsConfig
 from keel.distributed import DistContext, advantages, all_reduce_sum
 from keel.sft import SFTExample, cached_gold_trajectory, decompose
 from keel.signals.ets import ETSBuffer
-from keel.signals.ops import expert_members, group_with_experts
 from keel.signals.hints import HintPolicy
+from keel.signals.ops import expert_members, group_with_experts
 from keel.signals.reflection import LLMAnalyzer, RuleAnalyzer
 from keel.signals.schedule import Schedule
 from keel.types import Env, Source, Task, Trajectory, env_call_format
