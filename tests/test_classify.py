@@ -209,6 +209,9 @@ def test_eval_only_histories_of_the_three_shapes_once_missed(tmp_path):
     # calls did (EM 0.60 → 0 at step 2 with 2.0 calls; 1.0 call from step 4 on): still mode 4.
     d = diagnose(write_run(tmp_path / "calls_later", eval_only([0.6, 0.0, 0.0, 0.0, 0.0], [2.2, 2.0, 1.0, 1.0, 1.0], [0.02] * 5, every=2)))
     assert d["mode"] == "spec_gaming_cliff"
+    # EM alone, no call counts anywhere: the cliff stands on EM (its call signal is unknown).
+    d = diagnose(write_run(tmp_path / "em_only", [{"step": 0, "eval/em": 0.5}, {"step": 50, "eval/em": 0.0}]))
+    assert d["mode"] == "spec_gaming_cliff"
     # A healthy eval-only run stays healthy.
     d = diagnose(write_run(tmp_path / "healthy", eval_only([0.1, 0.2, 0.25, 0.3, 0.3, 0.32, 0.33], [2.5] * 7, [1.0] * 7)))
     assert d["mode"] == "healthy"

@@ -262,7 +262,8 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     tools_before = tools_after = None
     if cliff:
         # after: where the calls ended (late), not only at the cliff's eval — EM may fall a window before the calls do
-        tools_before, tools_after = _value_near(tools, cliff["previous_step"]), min(_value_near(tools, cliff["step"]), late_tools)
+        after = [v for v in (_value_near(tools, cliff["step"]), late_tools) if v is not None]
+        tools_before, tools_after = _value_near(tools, cliff["previous_step"]), min(after, default=None)
     # "tools/question 3.0 → 1.0": one call per question, not none (calls that stop parsing are drift)
     volume_drop = None if tools_before is None or tools_after is None else (0.5 <= tools_after <= 1.5 and tools_after <= 0.6 * tools_before)
     out["spec_gaming_cliff"] = [
