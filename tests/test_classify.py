@@ -217,6 +217,23 @@ def test_eval_only_histories_of_the_three_shapes_once_missed(tmp_path):
     assert d["mode"] == "healthy"
 
 
+def test_a_fall_no_signature_fits_is_an_unnamed_collapse_not_healthy(tmp_path):
+    # results/claim6/ladder_r_selfv-s1's evals: EM 0.60 → 0 → 0.22 → 0.10 → 0.16 with two calls
+    # a question throughout and answers kept: lost 44 points (p = 3e-6), and no mode's required
+    # signals hold (EM not ≈ 0 at the end; calls never near one).
+    ems, tools = [0.6, 0.0, 0.22, 0.1, 0.16], [2.2, 1.96, 2.0, 2.0, 1.88]
+    d = diagnose(write_run(tmp_path / "fell", eval_only(ems, tools, [0.02] * 5, every=2)))
+    assert d["mode"] == "unnamed_collapse"
+    assert not any(v["qualifies"] for v in d["evidence"]["scores"].values())
+    assert d["evidence"]["signals"][0]["value"] == 0.16 and "0.6 (step 0)" in d["evidence"]["signals"][0]["signal"]
+    assert d["evidence"]["steps"] == {"peak": 0, "collapse": 2}  # the one-window fall at step 2
+    # The bounds: ending at 0.31 after a 0.6 peak keeps more than half (healthy), 0.30 does not;
+    # a fall of less than 0.1 from a low peak is noise, not a collapse.
+    assert diagnose(write_run(tmp_path / "half", eval_only([0.6, 0.5, 0.31], [2.0] * 3, [1.0] * 3)))["mode"] == "healthy"
+    assert diagnose(write_run(tmp_path / "halved", eval_only([0.6, 0.5, 0.30], [2.0] * 3, [1.0] * 3)))["mode"] == "unnamed_collapse"
+    assert diagnose(write_run(tmp_path / "low", eval_only([0.12, 0.14, 0.05], [2.0] * 3, [1.0] * 3)))["mode"] == "healthy"
+
+
 def test_ritual(tmp_path):
     lines = history(em=lambda s: 0.325, tools=lambda s: 1.0, extra=lambda s: {"eval/cvt": 0.0003, "eval/tool_lift": 0.0} if s % 50 == 0 else {})
     d = diagnose(write_run(tmp_path / "run", lines, samples={300: [RITUAL] * 5}))
@@ -267,3 +284,15 @@ def test_partial_garbage_and_empty_dirs(tmp_path):
     assert diagnose(tmp_path / "empty")["confidence"] == 0.0
     with pytest.raises(FileNotFoundError, match="does not exist"):
         diagnose(tmp_path / "nope")
+
+
+def test_kl_on_control_tokens_while_em_rises_is_not_a_collapse(tmp_path):
+    # results/issue12/main-s1-from-sft-lr1e-5-8steps in kind: control-tag KL share 0.12 → 0.8
+    # while dev EM rose 0.30 → 0.45 and nothing broke: no collapse to name.
+    rising = history(share=lambda s: 0.12 if s < 200 else 0.8, em=lambda s: 0.3 if s < 200 else 0.45)
+    d = diagnose(write_run(tmp_path / "rising", rising))
+    assert d["mode"] == "healthy"
+    assert d["evidence"]["scores"]["control_token_collapse"]["qualifies"] is False
+    # The same KL history with EM falling 0.3 → 0.15 (≥ 0.1 below the peak) is paper A's collapse.
+    falling = history(share=lambda s: 0.12 if s < 200 else 0.8, em=lambda s: 0.3 if s < 200 else 0.15)
+    assert diagnose(write_run(tmp_path / "falling", falling))["mode"] == "control_token_collapse"

@@ -24,12 +24,16 @@ Required signals per mode (the others add to the score):
   within 0.1 of the peak, and, where tools/question was recorded there, calls falling to about
   one (0.5–1.5) and ≤ 60% of before, at the cliff or by the end (scored: entropy not halved; quote-and-stop samples);
 - control_token_collapse: peak `kl/control_share` ≥ 0.5 and ≥ 2× early, or the pollution +
-  full-collapse share up by ≥ 0.2.
+  full-collapse share up by ≥ 0.2; and harm: dev EM ended ≥ 0.1 below its peak, or that
+  structural breakdown (a concentration while EM held or rose is not a collapse).
 A mode wins when all its required signals hold; among winners the highest share of satisfied
 signals wins. Confidence = score × (0.6 + 0.4 × coverage), coverage = the weight of signals
 that could be evaluated, so a directory with metrics alone gets a lower confidence than one
-with samples too. With no mode qualifying the run is "healthy", as confident as the number of
-signal families that were there to look at.
+with samples too. With no mode qualifying, a run whose dev EM ended at ≤ 50% of its peak (peak
+≥ 0.1, a fall of ≥ 0.1) is an "unnamed_collapse" — it broke, and none of the papers' signatures
+fits (e.g. results/claim6/ladder_r_selfv-s1: 0.60 → 0.16 with calls held at two); otherwise it
+is "healthy". Both verdicts by absence are as confident as the number of signal families that
+were there to look at.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from keel.rewards import is_empty_observation, returned_entities
 from keel.rundir import atomic_write_text, read_jsonl, read_run
 from keel.types import Trajectory
 
-MODES = ("healthy", "control_token_collapse", "sparse_format_collapse", "ritual", "format_drift", "spec_gaming_cliff")
+MODES = ("healthy", "unnamed_collapse", "control_token_collapse", "sparse_format_collapse", "ritual", "format_drift", "spec_gaming_cliff")
 # Tie-break among modes with equal scores: the more specific signature first.
 PRIORITY = ("spec_gaming_cliff", "control_token_collapse", "format_drift", "sparse_format_collapse", "ritual")
 TAIL_FRACTION = 0.2  # "late" / "early" = the last / first 20% of logged steps
@@ -196,6 +200,18 @@ def _fell_from_peak(em: list[tuple[int, float]]) -> bool | None:
     return peak >= 0.1 and em[-1][1] <= 0.3 * peak
 
 
+def _unnamed_fall(em: list[tuple[int, float]]) -> dict[str, Any] | None:
+    """The last eval at ≤ 50% of the peak before it (peak ≥ 0.1, at least 0.1 lower): dev EM fell
+    and stayed down, whatever the shape. None otherwise, or with fewer than two evals."""
+    if len(em) < 2:
+        return None
+    peak_step, peak = max(em[:-1], key=lambda p: (p[1], -p[0]))
+    last_step, last = em[-1]
+    if peak >= 0.1 and last <= 0.5 * peak and peak - last >= 0.1:
+        return {"peak": peak, "peak_step": peak_step, "step": last_step, "em": last}
+    return None
+
+
 def _value_near(points: list[tuple[int, float]], step: int) -> float | None:
     before = [v for s, v in points if s <= step]
     return before[-1] if before else None
@@ -295,8 +311,13 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
         _signal("pollution + full collapse share rose ≥ 0.2", _rounded(broken_rise), None if broken_rise is None else broken_rise >= 0.2, 2),
         _signal("kl_spike alerts", spike_alerts, spike_alerts > 0 if run.alerts else None),
     ]
-    # Paper A's collapse needs the KL concentration or the structural breakdown, at least one.
-    out["control_token_collapse"].append(_signal("KL concentration or structural breakdown", None, bool(kl_spiked) or bool(broken_rise is not None and broken_rise >= 0.2), 0, True))
+    # Paper A's collapse needs the KL concentration or the structural breakdown, at least one,
+    # and harm: a KL concentration in a run whose dev EM held or rose is not a collapse (the lr
+    # 1e-5 run results/issue12/main-s1-from-sft-lr1e-5-8steps: share 0.5+ while EM went 0.40 → 0.60).
+    structure_broke = broken_rise is not None and broken_rise >= 0.2
+    em_fell = None if len(em) < 2 else em[-1][1] <= max(v for _, v in em[:-1]) - 0.1
+    out["control_token_collapse"].append(_signal("KL concentration or structural breakdown", None, bool(kl_spiked) or structure_broke, 0, True))
+    out["control_token_collapse"].append(_signal("harm: dev EM ended ≥ 0.1 below its peak, or the structure broke", None, bool(em_fell) or structure_broke, 0, True))
     context["late"] = {"eval/em": _rounded(late_em), "tools/question": _rounded(late_tools), "tokens/entropy": _rounded(late_entropy), "kl/control_share": _rounded(late_share)}
     return out, context
 
@@ -362,8 +383,13 @@ def diagnose(run_dir: Path | str) -> dict[str, Any]:
         mode = max(winners, key=lambda m: (scores[m]["score"], -PRIORITY.index(m)))
         confidence = scores[mode]["score"] * (0.6 + 0.4 * scores[mode]["coverage"])
     else:
-        mode = "healthy"
-        # Healthy is a verdict by absence: it is as strong as what could be looked at.
+        fall = _unnamed_fall(run.series(EVAL_EM))
+        mode = "healthy" if fall is None else "unnamed_collapse"
+        if fall is not None:
+            signals[mode] = [_signal(f"EM fell to ≤ 50% of its peak {fall['peak']:.3g} (step {fall['peak_step']})", _rounded(fall["em"]), True, required=True)]
+            if not context.get("cliff"):  # where EM fell, for the steps line
+                context["cliff"] = {"peak_step": fall["peak_step"], "step": fall["step"]}
+        # A verdict by absence (no named signature fits) is as strong as what could be looked at.
         looked = [bool(run.series(EVAL_EM)), bool(run.series(TOOLS_PER_QUESTION) or run.series(EVAL_TOOLS_PER_QUESTION)),
                   bool(run.series(TOKENS_ENTROPY)), bool(run.series(KL_CONTROL_SHARE)), bool(run.samples)]
         confidence = 0.0 if not (run.metrics or run.samples or run.evals) else 0.3 + 0.6 * sum(looked) / len(looked)
