@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     ds.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ds.add_argument("--limit", type=int, default=0, help="only the first N training questions (0: all)")
 
-    dg = sub.add_parser("diagnose", help="name a run's failure mode (or healthy) with evidence; writes RUN_DIR/diagnosis.json")
+    dg = sub.add_parser("diagnose", help="name a run's failure mode (or unnamed_collapse: EM fell by half, no signature fits; or healthy) with evidence; writes RUN_DIR/diagnosis.json")
     dg.add_argument("run_dir")
     r = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained plots and trajectory viewer)")
     r.add_argument("run_dir")
