@@ -192,24 +192,26 @@ def _rose(em: list[tuple[int, float]]) -> bool | None:
     return max(v for _, v in em[1:]) >= em[0][1] + 0.05
 
 
-def _fell_from_peak(em: list[tuple[int, float]]) -> bool | None:
-    """Is the last eval ≤ 30% of the peak (≥ 0.1) of the evals before it, at any pace."""
+def _last_against_peak(em: list[tuple[int, float]]) -> dict[str, Any] | None:
+    """The last eval against the (first) peak of the evals before it: {"peak", "peak_step",
+    "step", "em"}. None with fewer than two evals. Every "fell from its peak" rule reads this."""
     if len(em) < 2:
         return None
-    peak = max(v for _, v in em[:-1])
-    return peak >= 0.1 and em[-1][1] <= 0.3 * peak
+    peak_step, peak = max(em[:-1], key=lambda p: (p[1], -p[0]))
+    return {"peak": peak, "peak_step": peak_step, "step": em[-1][0], "em": em[-1][1]}
+
+
+def _fell_from_peak(em: list[tuple[int, float]]) -> bool | None:
+    """Is the last eval ≤ 30% of the peak (≥ 0.1) of the evals before it, at any pace."""
+    f = _last_against_peak(em)
+    return None if f is None else f["peak"] >= 0.1 and f["em"] <= 0.3 * f["peak"]
 
 
 def _unnamed_fall(em: list[tuple[int, float]]) -> dict[str, Any] | None:
     """The last eval at ≤ 50% of the peak before it (peak ≥ 0.1, at least 0.1 lower): dev EM fell
     and stayed down, whatever the shape. None otherwise, or with fewer than two evals."""
-    if len(em) < 2:
-        return None
-    peak_step, peak = max(em[:-1], key=lambda p: (p[1], -p[0]))
-    last_step, last = em[-1]
-    if peak >= 0.1 and last <= 0.5 * peak and peak - last >= 0.1:
-        return {"peak": peak, "peak_step": peak_step, "step": last_step, "em": last}
-    return None
+    f = _last_against_peak(em)
+    return f if f is not None and f["peak"] >= 0.1 and f["em"] <= 0.5 * f["peak"] and f["peak"] - f["em"] >= 0.1 else None
 
 
 def _value_near(points: list[tuple[int, float]], step: int) -> float | None:
@@ -315,9 +317,10 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     # and harm: a KL concentration in a run whose dev EM held or rose is not a collapse (the lr
     # 1e-5 run results/issue12/main-s1-from-sft-lr1e-5-8steps: share 0.5+ while EM went 0.40 → 0.60).
     structure_broke = broken_rise is not None and broken_rise >= 0.2
-    em_fell = None if len(em) < 2 else em[-1][1] <= max(v for _, v in em[:-1]) - 0.1
+    last = _last_against_peak(em)
+    em_fell = last is not None and last["em"] <= last["peak"] - 0.1
     out["control_token_collapse"].append(_signal("KL concentration or structural breakdown", None, bool(kl_spiked) or structure_broke, 0, True))
-    out["control_token_collapse"].append(_signal("harm: dev EM ended ≥ 0.1 below its peak, or the structure broke", None, bool(em_fell) or structure_broke, 0, True))
+    out["control_token_collapse"].append(_signal("harm: dev EM ended ≥ 0.1 below its peak, or the structure broke", None, em_fell or structure_broke, 0, True))
     context["late"] = {"eval/em": _rounded(late_em), "tools/question": _rounded(late_tools), "tokens/entropy": _rounded(late_entropy), "kl/control_share": _rounded(late_share)}
     return out, context
 
@@ -379,6 +382,7 @@ def diagnose(run_dir: Path | str) -> dict[str, Any]:
         "eval_steps": sorted(run.evals),
         "alerts": len(run.alerts),
     }
+    fall = None
     if winners:
         mode = max(winners, key=lambda m: (scores[m]["score"], -PRIORITY.index(m)))
         confidence = scores[mode]["score"] * (0.6 + 0.4 * scores[mode]["coverage"])
@@ -387,17 +391,14 @@ def diagnose(run_dir: Path | str) -> dict[str, Any]:
         mode = "healthy" if fall is None else "unnamed_collapse"
         if fall is not None:
             signals[mode] = [_signal(f"EM fell to ≤ 50% of its peak {fall['peak']:.3g} (step {fall['peak_step']})", _rounded(fall["em"]), True, required=True)]
-            if not context.get("cliff"):  # where EM fell, for the steps line
-                context["cliff"] = {"peak_step": fall["peak_step"], "step": fall["step"]}
         # A verdict by absence (no named signature fits) is as strong as what could be looked at.
         looked = [bool(run.series(EVAL_EM)), bool(run.series(TOOLS_PER_QUESTION) or run.series(EVAL_TOOLS_PER_QUESTION)),
                   bool(run.series(TOKENS_ENTROPY)), bool(run.series(KL_CONTROL_SHARE)), bool(run.samples)]
         confidence = 0.0 if not (run.metrics or run.samples or run.evals) else 0.3 + 0.6 * sum(looked) / len(looked)
         if len(run.metrics) < 10:
             confidence *= 0.5  # a handful of steps says little about a trend
-    steps = {}
-    if context.get("cliff"):
-        steps = {"peak": context["cliff"]["peak_step"], "collapse": context["cliff"]["step"]}
+    where = context.get("cliff") or fall  # where EM fell: the one-window cliff, else (unnamed) the last eval
+    steps = {"peak": where["peak_step"], "collapse": where["step"]} if where else {}
     result = {
         "mode": mode,
         "confidence": round(min(max(confidence, 0.0), 1.0), 4),
