@@ -69,6 +69,7 @@ class DataConfig:
     kinds: list[str] = doc([], "synthetic: question kinds to generate, a subset of composition, conjunction, comparative, superlative (empty: all four)")
     max_hops: int = doc(0, "synthetic: skip questions whose gold needs more tool turns (hops) than this; 0: no limit")
     templates: list[str] = doc([], "synthetic: question templates to keep (keel.config.QUESTION_TEMPLATES, e.g. director_birthplace), within data.kinds; empty: all of them")
+    rl_templates: list[str] = doc([], "templates RL trains on and the dev evaluations report, a subset of data.templates (by the tasks' meta 'template'); the SFT warm-start still sees every training question. Empty: all of them")
     nationality_from_birth: float = doc(0.8, "synthetic: share of people whose nationality is their birth city's country (the rest: a random country); at 0.8 nationality is a one-hop shortcut for birth-country questions (GRPO was seen taking it); 0: independent")
     dir: str = doc("", "source=dir: a dataset directory with kb.tsv and train/dev/test.jsonl (from `keel data kg-synth`)")
     kb: str = doc("", "source=files: triples file (TSV head\\trelation\\ttail or |-separated, .gz ok)")
@@ -638,7 +639,9 @@ def check_chat_format(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Cross-field checks that a type check cannot do; each error names the key."""
     kinds = cfg.data.kinds or list(QUESTION_KINDS)
-    unknown_templates = sorted(set(cfg.data.templates) - {t for k in kinds for t in QUESTION_TEMPLATES.get(k, ())})
+    known = {t for k in kinds for t in QUESTION_TEMPLATES.get(k, ())}
+    unknown_templates = sorted(set(cfg.data.templates) - known)
+    outside_rl = sorted(set(cfg.data.rl_templates) - (set(cfg.data.templates) or known))
     checks = [
         (cfg.rollout.group_size >= 1, "rollout.group_size must be ≥ 1"),
         (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be ≥ 1"),
@@ -659,6 +662,7 @@ def validate(cfg: Config) -> None:
         (cfg.env.call_timeout_s > 0, "env.call_timeout_s must be > 0"),
         (set(cfg.data.kinds) <= set(QUESTION_KINDS), f"data.kinds must be a subset of {', '.join(QUESTION_KINDS)}, got {cfg.data.kinds!r}"),
         (not unknown_templates, f"data.templates: {unknown_templates} are not templates of data.kinds {kinds} (keel.config.QUESTION_TEMPLATES)"),
+        (not outside_rl, f"data.rl_templates: {outside_rl} are not among data.templates {cfg.data.templates or sorted(known)}"),
         (cfg.data.max_hops >= 0, "data.max_hops must be ≥ 0 (0: no limit)"),
         (0.0 <= cfg.data.nationality_from_birth <= 1.0, "data.nationality_from_birth must be in [0, 1]"),
         (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),

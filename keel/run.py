@@ -58,7 +58,8 @@ class Run:
     lora: LoRA | None
     sampler: Any
     env: Env
-    train_tasks: list[Task]
+    train_tasks: list[Task]  # what RL draws from (data.rl_templates' questions)
+    sft_tasks: list[Task]  # the warm-start's questions: every training question
     dev: list[Task]  # the dev questions every evaluation uses
     tasks_by_id: dict[str, Task]
     progress: Progress
@@ -223,13 +224,14 @@ def start(cfg: Config, run_dir: Path, reward_fn, tracker, interrupted: Interrupt
             env, train_tasks, dev_tasks = prepared or task_builder.prepare(cfg, run_dir, tok, chat)
         barrier(ctx)
     dev = dev_tasks[: cfg.eval.n_dev]
-    tasks_by_id = {t.id: t for t in train_tasks + dev}
+    sft_tasks, train_tasks = train_tasks, task_builder.rl_pool(cfg, train_tasks, "training")
+    tasks_by_id = {t.id: t for t in sft_tasks + dev}
     pieces, detectors, freq_baseline = PieceCache(tok), Detectors(cfg.detectors), ControlFrequencyBaseline()
-    progress = Progress(summary={"run_dir": str(run_dir), "model": cfg.model.name, "n_train": len(train_tasks), "n_dev_eval": len(dev)})
+    progress = Progress(summary={"run_dir": str(run_dir), "model": cfg.model.name, "n_train": len(train_tasks), "n_sft": len(sft_tasks), "n_dev_eval": len(dev)})
     sampler = model if cfg.rollout.dtype == cfg.model.dtype else frozen_copy(model, DTYPES[cfg.rollout.dtype])
     signals = SignalState(cfg.signals, cfg.grpo.lr, env, tok, train_tasks, tasks_by_id, cfg.sft.packed)
     return Run(cfg=cfg, run_dir=run_dir, ctx=ctx, tracker=tracker, interrupted=interrupted, reward_fn=reward_fn, model=model, tok=tok,
-               chat=chat, lora=lora, sampler=sampler, env=env, train_tasks=train_tasks, dev=dev, tasks_by_id=tasks_by_id,
+               chat=chat, lora=lora, sampler=sampler, env=env, train_tasks=train_tasks, sft_tasks=sft_tasks, dev=dev, tasks_by_id=tasks_by_id,
                progress=progress, rng=rng, signals=signals, detectors=detectors, freq_baseline=freq_baseline, pieces=pieces,
                t_start=t_start, strata=task_builder.strata(train_tasks, cfg.rollout.stratify_by))
 
@@ -343,7 +345,7 @@ def warm_start_examples(run: Run) -> list[SFTExample]:
             raise UserError(f"signals.self_distill.trajectories: {path} has no usable episodes")
         summary["sft_source"] = f"self-distillation: {path}"
     else:
-        golds = [gold_trajectory(run.tok, run.env, t, chat=run.chat) for t in run.train_tasks]
+        golds = [gold_trajectory(run.tok, run.env, t, chat=run.chat) for t in run.sft_tasks]
         examples = [e for g in golds if g.info.get("gold_ok", True) for e in decompose(g, packed=cfg.sft.packed)]
         if not examples:
             raise UserError("sft: no gold trajectory could be replayed in the environment (every gold call failed)")

@@ -106,7 +106,21 @@ def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tu
     if cfg.env.plan:
         train = [env.with_plan(t) for t in train]
         dev = [env.with_plan(t) for t in dev]
+    dev = rl_pool(cfg, dev, "dev")
     return env, train, dev
+
+
+def rl_pool(cfg: Config, tasks: list[Task], which: str) -> list[Task]:
+    """The tasks of data.rl_templates (by meta 'template'): what RL trains on and the dev
+    evaluations report, while the SFT warm-start keeps every training question. All of them
+    when data.rl_templates is empty; none left is a DataError naming the set."""
+    keep = set(cfg.data.rl_templates)
+    if not keep:
+        return tasks
+    kept = [t for t in tasks if (t.meta or {}).get("template") in keep]
+    if not kept:
+        raise DataError(f"data.rl_templates {sorted(keep)}: no {which} question has one of these templates")
+    return kept
 
 
 def _build_fc_learn(cfg: Config) -> tuple[Env, list[Task], list[Task]]:

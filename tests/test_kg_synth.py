@@ -214,3 +214,31 @@ def test_nationality_from_birth_sets_the_shortcut_share_and_nothing_else():
     _, ref = synth.generate_splits(seed=0, train=50, dev=5, test=5, config=composition)
     _, got = synth.generate_splits(seed=0, train=50, dev=5, test=5, config=synth.SynthConfig(kinds=("composition",), nationality_from_birth=0.0))
     assert [t.question for t in got["train"]] == [t.question for t in ref["train"]]
+
+
+def test_rl_templates_narrow_the_dev_set_and_the_rl_pool_not_the_sft_pool(tmp_path):
+    from keel import tasks as task_builder
+    from keel.config import load_config
+
+    cfg = load_config(None, ["data.kinds=[composition]", "data.templates=[birthplace_country,director_birthplace,spouse]",
+                             "data.rl_templates=[birthplace_country,director_birthplace]", "data.n_train=30", "data.n_dev=12",
+                             "data.n_test=3"])
+    _, train, dev = task_builder.build(cfg, tmp_path)
+    assert {t.meta["template"] for t in train} == {"birthplace_country", "director_birthplace", "spouse"}  # all 30: SFT's
+    assert len(train) == 30 and {t.meta["template"] for t in dev} == {"birthplace_country", "director_birthplace"}
+    written = [json.loads(x) for x in (tmp_path / "data" / "dev.jsonl").read_text().splitlines()]
+    assert len(written) == 12 and [t.id for t in dev] == [q["id"] for q in written if q["meta"]["template"] != "spouse"]
+    rl = task_builder.rl_pool(cfg, train, "training")
+    assert [t.id for t in rl] == [t.id for t in train if t.meta["template"] != "spouse"] and 0 < len(rl) < 30
+    cfg.data.rl_templates = ["spouse"]
+    with pytest.raises(task_builder.DataError, match=r"data.rl_templates \['spouse'\]: no dev question"):
+        task_builder.rl_pool(cfg, dev, "dev")
+
+
+def test_rl_templates_outside_data_templates_are_a_config_error():
+    from keel.config import load_config
+
+    with pytest.raises(ValueError, match=r"data.rl_templates: \['spouse'\] are not among data.templates"):
+        load_config(None, ["data.kinds=[composition]", "data.templates=[birthplace_country]", "data.rl_templates=[spouse]"])
+    with pytest.raises(ValueError, match=r"data.rl_templates: \['first_film'\] are not among data.templates"):
+        load_config(None, ["data.kinds=[composition]", "data.rl_templates=[first_film]"])
