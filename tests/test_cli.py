@@ -63,6 +63,26 @@ def test_rl_from_a_checkpoint_reports_its_lift_against_the_first_eval(tmp_path):
     assert "RL lifted dev EM" in r.stdout
 
 
+def test_rl_templates_the_warm_start_sees_every_question_rl_and_the_evals_only_theirs(tmp_path):
+    out = tmp_path / "run"
+    r = keel("train", "configs/smoke.yaml", "--out", str(out), "--set", "data.kinds=[composition]",
+             "--set", "data.templates=[birthplace_country,director_birthplace,spouse]",
+             "--set", "data.rl_templates=[birthplace_country,director_birthplace]", "--set", "sft.packed=true")
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    templates = {}
+    for name in ("train", "dev"):
+        for line in (out / "data" / f"{name}.jsonl").read_text().splitlines():
+            q = json.loads(line)
+            templates[q["id"]] = q["meta"]["template"]
+    train_templates = [t for i, t in templates.items() if "-train-" in i]
+    assert summary["n_sft"] == len(train_templates) == 16  # SFT: every training question, one packed example each
+    assert summary["sft_examples"] == summary["n_sft"] - summary["sft_gold_failed"]
+    assert summary["n_train"] == sum(t != "spouse" for t in train_templates) < 16  # RL: the two templates' only
+    evaluated = {json.loads(x)["task_id"] for f in (out / "eval").glob("step_*.jsonl") for x in f.read_text().splitlines()}
+    assert evaluated and {templates[i] for i in evaluated} <= {"birthplace_country", "director_birthplace"}
+
+
 def test_the_eval_rl_starts_from_is_the_detectors_first_and_the_first_peak(tmp_path):
     # A cliff in RL's first eval window (post-SFT EM 0.60 → 0.00 two steps later, R-selfV at lr 6e-5)
     # went unseen while the detectors first met an eval at the first RL one.
