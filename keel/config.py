@@ -663,6 +663,7 @@ def validate(cfg: Config) -> None:
         (set(cfg.data.kinds) <= set(QUESTION_KINDS), f"data.kinds must be a subset of {', '.join(QUESTION_KINDS)}, got {cfg.data.kinds!r}"),
         (not unknown_templates, f"data.templates: {unknown_templates} are not templates of data.kinds {kinds} (keel.config.QUESTION_TEMPLATES)"),
         (not outside_rl, f"data.rl_templates: {outside_rl} are not among data.templates {cfg.data.templates or sorted(known)}"),
+        (not cfg.data.rl_templates or cfg.env.kind == "kg", f"data.rl_templates selects knowledge-graph question templates; env.kind={cfg.env.kind} has none"),
         (cfg.data.max_hops >= 0, "data.max_hops must be ≥ 0 (0: no limit)"),
         (0.0 <= cfg.data.nationality_from_birth <= 1.0, "data.nationality_from_birth must be in [0, 1]"),
         (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),

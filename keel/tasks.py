@@ -106,6 +106,7 @@ def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tu
     if cfg.env.plan:
         train = [env.with_plan(t) for t in train]
         dev = [env.with_plan(t) for t in dev]
+    rl_pool(cfg, train, "training")  # refused here, before a run directory exists; keel.run.start keeps the pool
     dev = rl_pool(cfg, dev, "dev")
     return env, train, dev
 

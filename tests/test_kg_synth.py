@@ -242,3 +242,5 @@ def test_rl_templates_outside_data_templates_are_a_config_error():
         load_config(None, ["data.kinds=[composition]", "data.templates=[birthplace_country]", "data.rl_templates=[spouse]"])
     with pytest.raises(ValueError, match=r"data.rl_templates: \['first_film'\] are not among data.templates"):
         load_config(None, ["data.kinds=[composition]", "data.rl_templates=[first_film]"])
+    with pytest.raises(ValueError, match=r"data.rl_templates selects knowledge-graph question templates; env.kind=fc_learn"):
+        load_config(None, ["env.kind=fc_learn", "data.kinds=[composition]", "data.rl_templates=[spouse]"])
