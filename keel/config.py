@@ -354,6 +354,7 @@ class SignalsConfig:
     epochs: int = doc(2, "interleaved: epochs over the phase's examples (paper A: 2)")
     lr: float = doc(1e-5, "learning rate of supervision phases (paper A: 1e-5); RL keeps grpo.lr")
     batch_size: int = doc(8, "examples per supervision step (paper A: 128)")
+    phase_examples: int = doc(0, "interleaved: examples one phase trains on, drawn afresh from the pool each phase without replacement (0: the whole pool, as paper A; on CPU a 1,000-trajectory pool is ~250 steps a phase)")
     sync_examples: int = doc(8, "synchronous: examples of each kind added to every RL update")
     sft_weight: float = doc(1.0, "synchronous: weight of the gold SFT loss")
     ets_weight: float = doc(1.0, "synchronous: weight of the ETS loss")
@@ -381,6 +382,8 @@ def check_signals(s: SignalsConfig) -> None:
         (at_steps == sorted(set(at_steps)), f"signals.at_steps must be increasing without repeats, got {at_steps}"),
         (s.every >= 0, f"signals.every must be >= 0, got {s.every}"),
         (s.epochs >= 1, f"signals.epochs must be >= 1, got {s.epochs}"),
+        (isinstance(s.phase_examples, int) and not isinstance(s.phase_examples, bool) and s.phase_examples >= 0,
+         f"signals.phase_examples must be an integer >= 0 (0: the whole pool), got {s.phase_examples!r}"),
         (s.lr > 0 and math.isfinite(s.lr), f"signals.lr must be a positive number, got {s.lr}"),
         (s.batch_size >= 1, f"signals.batch_size must be >= 1, got {s.batch_size}"),
         (s.sync_examples >= 1, f"signals.sync_examples must be >= 1, got {s.sync_examples}"),

@@ -45,7 +45,7 @@ from keel.run import (Run, check_distributed_config, evaluate, evaluate_rl, fini
 from keel.rundir import RunDirError
 from keel.sft import SFTExample, supervision_backward
 from keel.signals.ops import sampled_rows
-from keel.signals.schedule import run_phase
+from keel.signals.schedule import run_phase, sample_examples
 from keel.types import Source, Trajectory, close_env
 
 
@@ -327,6 +327,8 @@ def supervision_phase(run: Run, phase) -> None:
     examples = [e for k in phase.sources for e in run.signals.supervision_pool(k)]
     if not examples:
         return
+    if cfg.signals.phase_examples:
+        examples = sample_examples(examples, cfg.signals.phase_examples, run.rng)
     optimizer = torch.optim.AdamW(run.model.parameters(), lr=phase.lr, weight_decay=0.0, eps=cfg.grpo.adam_eps)
     lines = run_phase(run.model, examples, phase, run.pad_id, cfg.grpo.max_grad_norm, run.rng, cfg.grpo.micro_batch_size,
                       optimizer=optimizer, autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)

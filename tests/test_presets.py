@@ -92,3 +92,22 @@ def test_synchronous_weight_zero_equals_pure_grpo_update(tiny):
     m = copy.deepcopy(model)
     grpo_update(m, copy.deepcopy(model), torch.optim.AdamW(m.parameters(), lr=1e-3), trajs, adv, Config().grpo, tok.pad_token_id, 1.0, extra_losses=[("sft", 1.0, examples)])
     assert any(not torch.equal(results[0][k], v) for k, v in m.state_dict().items())
+
+
+def test_phase_examples_caps_each_interleaved_phase(tmp_path):
+    # 3 examples drawn from the gold pool, 2 epochs in batches of 2: 2+1 then 2+1 per phase
+    out = train_cli(tmp_path, "run", "configs/kg_interleaved_sft.yaml", "--smoke", "--set", "signals.phase_examples=3",
+                    "--set", "signals.epochs=2", "--set", "signals.batch_size=2")
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    sft = [x for x in lines if x.get("phase") == "sft"]
+    assert [x["signal/sft_examples"] for x in sft] == [2.0, 1.0, 2.0, 1.0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["n_train"] > 3  # the pool is larger than what the phase trained on
+
+
+def test_phase_examples_must_be_a_count(tmp_path):
+    from keel.config import load_config
+    from keel.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"signals.phase_examples must be an integer >= 0 .* got -1"):
+        load_config("configs/kg_interleaved_sft.yaml", ["signals.phase_examples=-1"])
