@@ -25,7 +25,8 @@ from keel.run import check_distributed_config
 from runs import assert_same_lines, deterministic_lines, free_port
 
 REPO = Path(__file__).resolve().parent.parent
-ARGS = ["configs/kg_ops.yaml", "--smoke", "--set", "run.progress=false", "--set", "grpo.lr=1e-3", "--set", "grpo.steps=3",
+ARGS = ["configs/smoke.yaml", "--set", "signals.ops.enabled=true", "--set", "signals.ops.mode=replace", "--set", "signals.ops.members=1",
+        "--set", "run.progress=false", "--set", "grpo.lr=1e-3", "--set", "grpo.steps=3",
         "--set", "eval.every=2", "--set", "grpo.adam_eps=1e-4", "--set", "sft.enabled=true", "--set", "sft.steps=2",
         "--set", "sft.batch_size=3", "--set", "sft.lr=1e-3", "--set", "eval.n_dev=3", "--set", "data.n_dev=3"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -19,7 +19,8 @@ pytest.importorskip("peft")  # the `lora` extra; installed by the dev extra that
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-ARGS = ["configs/kg_ops.yaml", "--smoke", "--set", "run.progress=false", "--set", "model.lora_rank=4", "--set", "model.lora_alpha=8",
+ARGS = ["configs/smoke.yaml", "--set", "signals.ops.enabled=true", "--set", "signals.ops.mode=replace", "--set", "signals.ops.members=1",
+        "--set", "run.progress=false", "--set", "model.lora_rank=4", "--set", "model.lora_alpha=8",
         "--set", "sft.enabled=true", "--set", "sft.steps=2", "--set", "sft.lr=1e-2", "--set", "grpo.lr=1e-2", "--set", "eval.every=1",
         "--set", "grpo.kl_coef=0.1"]
 
