@@ -43,7 +43,7 @@ class ModelConfig:
     lora_alpha: float = doc(32.0, "LoRA scaling numerator (scale = lora_alpha / lora_rank)")
     max_tokens_per_micro_batch: int = doc(2048, "cap on the token positions one training forward encodes (SFT, GRPO update, supervision losses): micro-batches are cut so that shared prefix + rows × longest remainder stays under it, bounding activation memory (~1.2 MB per position for SmolLM2 under autocast) whatever the sampled lengths; 0: rows only (grpo.micro_batch_size). Scale it down for larger models")
     gradient_checkpointing: bool = doc(False, "recompute decoder-layer activations in backward: training memory no longer grows with layers × tokens, at ~1/3 more compute")
-    autocast: bool = doc(False, "run training forward/backward under bf16 autocast (fp32 master weights): ~2× faster on AMX CPUs and GPUs (MEASURED.md: 13.5 vs 27 s per 8×512-token step)")
+    autocast: bool | str = doc(False, "run training forward/backward under bf16 autocast (fp32 master weights): ~2× faster on AMX CPUs and GPUs (MEASURED.md: 13.5 vs 27 s per 8×512-token step), 2.5–5× slower where bf16 is emulated (an AVX2-only CPU); true | false | auto (on where the device multiplies bf16 natively, keel.models.native_bf16)")
     chat_format: str = doc("hermes", "hermes: Keel renders every episode in its own Hermes/ChatML layout (any tokenizer) | template: the tokenizer's own tool-aware chat template renders it (apply_chat_template with tools; Qwen2.5/Hermes <tool_call> and Llama-3.1 JSON calls), still token-in/token-out (keel.templates); refused with Keel's Hermes-only signals")
 
 
@@ -121,7 +121,7 @@ class RolloutConfig:
     max_new_tokens: int = doc(96, "tokens per assistant turn")
     max_total_tokens: int = doc(1536, "tokens per episode, prompt included")
     stratify_by: str = doc("", "a task meta key (template on the synthetic KG): each RL epoch takes the key's values in turn, so every batch mixes them evenly instead of by chance; empty: a plain shuffle")
-    dtype: str = doc("float32", "float32 | bfloat16: sample with a bf16 copy of the weights (≈1.5–2× faster decode with AMX, MEASURED.md); the update then takes old log-probs from the fp32 policy itself, since bf16 sampling log-probs differ by ~0.04/token")
+    dtype: str = doc("float32", "float32 | bfloat16 | auto: sample with a bf16 copy of the weights (≈1.5–2× faster decode with AMX, MEASURED.md; slower where bf16 is emulated); auto: bfloat16 where the device multiplies bf16 natively (keel.models.native_bf16), else float32. The update then takes old log-probs from the fp32 policy itself, since bf16 sampling log-probs differ by ~0.04/token")
 
 
 @dataclass
@@ -654,7 +654,8 @@ def validate(cfg: Config) -> None:
         (cfg.grpo.baseline in ("group", "batch"), f"grpo.baseline must be group or batch, got {cfg.grpo.baseline!r}"),
         (not (cfg.grpo.baseline == "batch" and cfg.signals.ops.enabled), "grpo.baseline: batch does not combine with signals.ops (OPS centres gold members on their own group, Eq. 4)"),
         (cfg.grpo.loss_aggregation in ("token-mean", "seq-mean-token-mean"), f"grpo.loss_aggregation must be token-mean or seq-mean-token-mean, got {cfg.grpo.loss_aggregation!r}"),
-        (cfg.rollout.dtype in ("float32", "bfloat16"), f"rollout.dtype must be float32 or bfloat16, got {cfg.rollout.dtype!r}"),
+        (cfg.rollout.dtype in ("float32", "bfloat16", "auto"), f"rollout.dtype must be float32, bfloat16 or auto, got {cfg.rollout.dtype!r}"),
+        (isinstance(cfg.model.autocast, bool) or cfg.model.autocast == "auto", f"model.autocast must be true, false or auto, got {cfg.model.autocast!r}"),
         (cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype must be float32, bfloat16 or float16, got {cfg.model.dtype!r}"),
         (cfg.model.chat_format in CHAT_FORMATS, f"model.chat_format must be {' or '.join(CHAT_FORMATS)}, got {cfg.model.chat_format!r}"),
         (cfg.env.kind in ENV_KINDS, f"env.kind must be one of {', '.join(ENV_KINDS)}, got {cfg.env.kind!r}"),

@@ -11,6 +11,7 @@ signal handler for the length of a run.
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import resource
 import time
@@ -31,7 +32,7 @@ from keel.diagnostics.telemetry import ControlFrequencyBaseline
 from keel.errors import UserError
 from keel.evaluate import evaluate_model
 from keel.memory import release_free_memory, set_mmap_threshold
-from keel.models import DTYPES, LoRA, frozen_copy, load_model, resolve_device
+from keel.models import DTYPES, LoRA, frozen_copy, load_model, native_bf16, resolve_device
 from keel.rollout import SamplingParams
 from keel.rundir import append_jsonl, atomic_write_json, atomic_write_text, write_jsonl
 from keel.sft import SFTExample, decompose, gold_trajectory
@@ -207,6 +208,9 @@ def start(cfg: Config, run_dir: Path, reward_fn, tracker, interrupted: Interrupt
     from keel import tasks as task_builder
 
     t_start = time.time()
+    cfg, precision = resolve_precision(cfg, resolve_device(cfg.model.device))
+    if precision and ctx.is_main:
+        print(f"[keel] precision: {precision}", flush=True)
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
@@ -234,6 +238,26 @@ def start(cfg: Config, run_dir: Path, reward_fn, tracker, interrupted: Interrupt
                chat=chat, lora=lora, sampler=sampler, env=env, train_tasks=train_tasks, sft_tasks=sft_tasks, dev=dev, tasks_by_id=tasks_by_id,
                progress=progress, rng=rng, signals=signals, detectors=detectors, freq_baseline=freq_baseline, pieces=pieces,
                t_start=t_start, strata=task_builder.strata(train_tasks, cfg.rollout.stratify_by))
+
+
+def resolve_precision(cfg: Config, device: str) -> tuple[Config, str]:
+    """`cfg` with `rollout.dtype: auto` and `model.autocast: auto` made concrete for `device`:
+    bf16 where it multiplies bf16 natively (keel.models.native_bf16), fp32 where bf16 would be
+    emulated and slower. Returns (a copy when anything was auto, else `cfg`; what was decided, in
+    words, "" when nothing was auto). config.yaml keeps `auto`: a resumed run decides again on
+    its own machine (exact either way: the update recomputes old log-probs when the sampler's
+    dtype differs from the policy's); summary.json's `precision` records what ran."""
+    auto = [k for k, v in (("rollout.dtype", cfg.rollout.dtype), ("model.autocast", cfg.model.autocast)) if v == "auto"]
+    if not auto:
+        return cfg, ""
+    fast = native_bf16(device)
+    cfg = copy.deepcopy(cfg)
+    if cfg.rollout.dtype == "auto":
+        cfg.rollout.dtype = "bfloat16" if fast else "float32"
+    if cfg.model.autocast == "auto":
+        cfg.model.autocast = fast
+    why = f"{device} multiplies bf16 natively" if fast else f"{device} has no native bf16 matmul ({torch.backends.cpu.get_cpu_capability() if device == 'cpu' else device}): bf16 would be emulated, slower than fp32"
+    return cfg, f"{' and '.join(auto)} auto → rollouts in {cfg.rollout.dtype}, autocast {'on' if cfg.model.autocast else 'off'} ({why})"
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
@@ -432,6 +456,7 @@ def finish(run: Run, interrupted: bool = False) -> dict[str, Any]:
     s["phase"] = p.phase
     s["interrupted"] = interrupted
     s["interrupted_by"] = run.interrupted.signal_name if interrupted else None  # SIGINT | SIGTERM
+    s["precision"] = {"rollout.dtype": run.cfg.rollout.dtype, "model.autocast": run.cfg.model.autocast}  # as run (resolve_precision), this segment
     lift = rl_lift(run) if run.ctx.is_main else None
     if lift is not None:
         s.update(lift)
