@@ -46,13 +46,14 @@ from typing import Callable
 
 from keel.answers import exact_match, f1_score, normalise
 from keel.errors import UserError
+from keel.kg.base import ENTITY_VERBS, RELATION_VERBS
 from keel.types import Step, Task, Trajectory
 
 RewardFn = Callable[[Trajectory, Task], tuple[float, dict[str, float]]]
 
 # R-toolverbs weights (authors' code; their notes list different ones): retrieving entities is
 # worth more than listing relations, which never returns [] for a known entity.
-VERB_WEIGHTS = {"get_tail_entities": 1.0, "get_head_entities": 1.0, "get_tail_relations": 0.3, "get_head_relations": 0.3}
+VERB_WEIGHTS = {**dict.fromkeys(ENTITY_VERBS, 1.0), **dict.fromkeys(RELATION_VERBS, 0.3)}
 # R-stepwise per-step weights: on_path, progress, coherence, valid.
 STEP_WEIGHTS = {"on_path": 0.45, "progress": 0.30, "coherence": 0.15, "valid": 0.10}
 VALID_MIN_CHARS = 10  # "valid" = the observation text is longer than 10 characters (theirs)

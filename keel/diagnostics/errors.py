@@ -41,7 +41,7 @@ from collections import Counter
 from typing import Any
 
 from keel.answers import exact_match, normalise
-from keel.kg.base import ENTITY_VERBS, KGStore
+from keel.kg.base import ENTITY_VERBS, HEAD_ENTITIES, TAIL_ENTITIES, KGStore
 from keel.rewards import answer_text, is_empty_observation, returned_entities
 from keel.types import Step, Task, Trajectory
 
@@ -113,7 +113,7 @@ def classify_failure(traj: Trajectory, task: Task, store: KGStore) -> dict[str, 
         anchor = t if (t in known and h not in known) else h
         known.add(h if anchor == t else t)
         done = any(
-            rel == r and ((verb == "get_tail_entities" and _same_entity(ent, h, store)) or (verb == "get_head_entities" and _same_entity(ent, t, store)))
+            rel == r and ((verb == TAIL_ENTITIES and _same_entity(ent, h, store)) or (verb == HEAD_ENTITIES and _same_entity(ent, t, store)))
             for verb, ent, rel in calls
         )
         if done:

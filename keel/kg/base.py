@@ -21,8 +21,10 @@ from __future__ import annotations
 from typing import Protocol
 
 # Paper B's four verbs, the one definition (the env serves them; rewards and diagnostics read them).
-RELATION_VERBS = ("get_tail_relations", "get_head_relations")
-ENTITY_VERBS = ("get_tail_entities", "get_head_entities")
+TAIL_RELATIONS, HEAD_RELATIONS = "get_tail_relations", "get_head_relations"
+TAIL_ENTITIES, HEAD_ENTITIES = "get_tail_entities", "get_head_entities"
+RELATION_VERBS = (TAIL_RELATIONS, HEAD_RELATIONS)
+ENTITY_VERBS = (TAIL_ENTITIES, HEAD_ENTITIES)
 VERBS = RELATION_VERBS + ENTITY_VERBS
 
 

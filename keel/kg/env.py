@@ -27,7 +27,7 @@ import json
 from typing import Any
 
 from keel.config import KGEnvConfig
-from keel.kg.base import ENTITY_VERBS, RELATION_VERBS, VERBS
+from keel.kg.base import ENTITY_VERBS, HEAD_ENTITIES, HEAD_RELATIONS, RELATION_VERBS, TAIL_ENTITIES, TAIL_RELATIONS, VERBS
 from keel.types import Observation, Task, ToolCall
 
 _MAX_ECHO = 60  # characters of a bad argument quoted back in an informative error line
@@ -47,13 +47,13 @@ _TOOLS: list[dict[str, Any]] = [
         },
     }
     for name, desc, args in (
-        ("get_tail_relations", "Relations r of triples (entity, r, ?)", ("entity",)),
-        ("get_head_relations", "Relations r of triples (?, r, entity)", ("entity",)),
-        ("get_tail_entities", "Tails t of triples (entity, relation, t)", ("entity", "relation")),
-        ("get_head_entities", "Heads h of triples (h, relation, entity)", ("entity", "relation")),
+        (TAIL_RELATIONS, "Relations r of triples (entity, r, ?)", ("entity",)),
+        (HEAD_RELATIONS, "Relations r of triples (?, r, entity)", ("entity",)),
+        (TAIL_ENTITIES, "Tails t of triples (entity, relation, t)", ("entity", "relation")),
+        (HEAD_ENTITIES, "Heads h of triples (h, relation, entity)", ("entity", "relation")),
     )
 ]
-_ARGUMENTS = {"get_tail_relations": ("entity",), "get_head_relations": ("entity",), "get_tail_entities": ("entity", "relation"), "get_head_entities": ("entity", "relation")}
+_ARGUMENTS = {TAIL_RELATIONS: ("entity",), HEAD_RELATIONS: ("entity",), TAIL_ENTITIES: ("entity", "relation"), HEAD_ENTITIES: ("entity", "relation")}
 
 
 def opaque_relation_name(relation: str, salt: str = "keel", attempt: int = 0) -> str:
@@ -257,7 +257,7 @@ class KGEpisode:
         # call, and the R-selfV gate counts distinct calls by it, not by their spelling.
         if verb in RELATION_VERBS:
             executed = (verb, entity, "")
-            found = store.tail_relations(entity) if verb == "get_tail_relations" else store.head_relations(entity)
+            found = store.tail_relations(entity) if verb == TAIL_RELATIONS else store.head_relations(entity)
             if not found:
                 return self._fail("no_result", f"{verb}: no relations for {_echo(args['entity'])}", executed)
             shown = [self.env.show_relation(r) for r in found]
@@ -268,7 +268,7 @@ class KGEpisode:
         if relation is None:
             return self._fail("unknown_relation", f"unknown relation {_echo(args['relation'])}")
         executed = (verb, entity, relation)
-        found = store.tail_entities(entity, relation) if verb == "get_tail_entities" else store.head_entities(entity, relation)
+        found = store.tail_entities(entity, relation) if verb == TAIL_ENTITIES else store.head_entities(entity, relation)
         if not found:
             return self._fail("no_result", f"{verb}: nothing matches ({_echo(args['entity'])}, {_echo(args['relation'])})", executed)
         names = [store.name(e) for e in found]

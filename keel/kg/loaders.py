@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from keel.errors import UserError
+from keel.kg.base import HEAD_ENTITIES, TAIL_ENTITIES
 from keel.kg.oracle import run_plan
 from keel.kg.store import MemoryStore
 from keel.rundir import parse_jsonl
@@ -253,12 +254,12 @@ def _pathquestion_tasks(path: Path, store) -> list[Task]:
             hops, turns, triples = [], [], []
             for k in range(1, len(chain), 2):
                 source, relation, target = chain[k - 1], chain[k], chain[k + 1]
-                verb = "get_tail_entities"
+                verb = TAIL_ENTITIES
                 if store is not None and target not in store.tail_entities(source, relation) and source in store.tail_entities(target, relation):
-                    verb = "get_head_entities"  # the KB stores this hop target→source
+                    verb = HEAD_ENTITIES  # the KB stores this hop target→source
                 hops.append({"verb": verb, "relation": relation, "exclude_start": False})
                 turns.append([{"name": verb, "arguments": {"entity": source, "relation": relation}}])
-                triples.append((source, relation, target) if verb == "get_tail_entities" else (target, relation, source))
+                triples.append((source, relation, target) if verb == TAIL_ENTITIES else (target, relation, source))
             tasks.append(
                 Task(
                     id=f"{path.stem}-{lineno}",
@@ -285,7 +286,7 @@ def _metaqa_tasks(path: Path, store, consistent_only: bool) -> list[Task]:
             # MetaQA's gold answers exclude the topic at every hop ("films that share a director
             # with [X]" never answer X); the flag `gold_consistent` was computed that way.
             hops = [
-                {"verb": "get_tail_entities" if direction == "fwd" else "get_head_entities", "relation": relation, "exclude_start": True}
+                {"verb": TAIL_ENTITIES if direction == "fwd" else HEAD_ENTITIES, "relation": relation, "exclude_start": True}
                 for direction, relation in r["relation_path"]
             ]
             plan = {"paths": [{"start": [topic], "hops": hops}], "filter": None}

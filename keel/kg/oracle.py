@@ -31,6 +31,7 @@ from typing import Any, Generator
 
 from keel.answers import normalise
 from keel.chat import render_assistant_calls
+from keel.kg.base import TAIL_ENTITIES
 from keel.kg.env import split_display
 
 _DECODER = json.JSONDecoder()
@@ -128,7 +129,7 @@ def run_plan(plan: dict[str, Any], store) -> tuple[list[list[Call]], list[str], 
             results, turn_edges = [], []
             for call in calls:
                 verb, entity, relation = call["name"], call["arguments"]["entity"], call["arguments"]["relation"]
-                ids = store.tail_entities(entity, relation) if verb == "get_tail_entities" else store.head_entities(entity, relation)
+                ids = store.tail_entities(entity, relation) if verb == TAIL_ENTITIES else store.head_entities(entity, relation)
                 results.append([(i, store.name(i) or i) for i in ids])
                 turn_edges.extend((entity, verb, relation, i) for i in ids)
             edges.append(turn_edges)
@@ -154,7 +155,7 @@ def run_plan(plan: dict[str, Any], store) -> tuple[list[list[Call]], list[str], 
 
 def _oriented(edge: tuple[str, str, str, str]) -> tuple[str, str, str]:
     source, verb, relation, result = edge
-    return (source, relation, result) if verb == "get_tail_entities" else (result, relation, source)
+    return (source, relation, result) if verb == TAIL_ENTITIES else (result, relation, source)
 
 
 def parse_observation(text: str, ids_are_names: bool = False) -> list[Item]:
