@@ -208,13 +208,14 @@ def start(cfg: Config, run_dir: Path, reward_fn, tracker, interrupted: Interrupt
     from keel import tasks as task_builder
 
     t_start = time.time()
-    cfg, precision = resolve_precision(cfg, resolve_device(cfg.model.device))
+    device = resolve_device(cfg.model.device)
+    cfg, precision = resolve_precision(cfg, device)
     if precision and ctx.is_main:
         print(f"[keel] precision: {precision}", flush=True)
     random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
-    model, tok = load_model(cfg.model.name, cfg.model.dtype, cfg.run.seed, resolve_device(cfg.model.device),
+    model, tok = load_model(cfg.model.name, cfg.model.dtype, cfg.run.seed, device,
                             own_template=cfg.model.chat_format == "template")
     chat = for_run(cfg, tok)
     lora = None

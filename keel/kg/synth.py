@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from keel.config import QUESTION_KINDS
 from keel.errors import UserError
-from keel.kg.base import HEAD_ENTITIES, TAIL_ENTITIES
+from keel.kg.base import HEAD_ENTITIES as HEAD, TAIL_ENTITIES as TAIL
 from keel.kg.oracle import run_plan
 from keel.kg.store import NAME_RELATION, MemoryStore
 from keel.types import Task
@@ -45,7 +45,6 @@ RELATIONS = sorted(
      STARRING, PERFORMANCE_ACTOR, RELEASE_YEAR, GENRE, CONTAINEDBY, CAPITAL, POPULATION]
 )
 
-TAIL, HEAD = TAIL_ENTITIES, HEAD_ENTITIES
 _ID_CHARS = "0123456789bcdfghjklmnpqrstvwxyz_"  # Freebase mids use digits, consonants and "_"
 _FIRST = ("Ada Bram Cora Dario Elin Felix Greta Hugo Ines Jonas Kira Lukas Mara Nils Olga Piet Rhea Sven "
           "Tilda Umar Vera Wim Yara Zeno Alma Basil Clio Dmitri Edda Fabian Gwen Hal Ilse Jasper Katya Leon "
