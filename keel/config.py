@@ -300,19 +300,71 @@ def check_actions(detectors: DetectorConfig) -> None:
 SUPERVISION_KINDS = ("sft", "ets", "reflection")  # supervision data kinds, in the order a phase mixes them
 PARADIGMS = ("synchronous", "interleaved")
 FAIL_AT_HELP = "a group whose every reward is <= this counts as failed"
+HINT_KINDS = ("first_call", "relation_path", "function_names")  # the hint texts of keel.signals.hints.HINTS, one function each
+GOLD_LAYOUT = "the signals build their gold trajectories (keel.sft.gold_trajectory) in the Hermes layout"
+
+
+class SignalSection:
+    """What the engine must know of a supervision signal before a run starts, kept with the
+    signal's config section: its key, the switch that turns it on, whether it trains on (or
+    shows) gold trajectories, why it needs Keel's Hermes layout, why it runs in one process
+    only, the supervision data kind it feeds, and its own checks. `check_signals`,
+    `check_chat_format`, keel.tasks.gold_needed_by and keel.run.check_distributed_config read
+    these for every section of `signals:`; the signal's hooks are its keel.signals module."""
+
+    KEY = ""  # the section's dotted key, e.g. "signals.ops"
+    SWITCH = "enabled"  # the field that turns the signal on
+    NEEDS_GOLD = False  # trains on or shows the gold trajectory
+    HERMES_ONLY = ""  # why model.chat_format=template refuses it ("": it does not)
+    ONE_PROCESS = ""  # why a data-parallel run refuses it ("": it does not)
+    KIND = ""  # the supervision data kind it feeds, one of SUPERVISION_KINDS ("": none)
+
+    def on(self) -> bool:
+        return bool(getattr(self, self.SWITCH))
+
+    def switch_key(self) -> str:
+        """The dotted key of the switch: signals.ops.enabled, signals.sft."""
+        return f"{self.KEY}.{self.SWITCH}"
+
+    def label(self) -> str:
+        """How errors name the signal: its section (signals.ops), or its switch when that is not `enabled`."""
+        return self.KEY if self.SWITCH == "enabled" else self.switch_key()
+
+    def needs_gold(self) -> bool:
+        return self.NEEDS_GOLD and self.on()
+
+    def problems(self) -> list[tuple[bool, str]]:
+        """(holds, message) checks of this section alone; `check_signals` raises the first that fails."""
+        return []
+
+
+class GoldSFTSwitch(SignalSection):
+    """`signals.sft`, a plain switch of the `signals:` section rather than a section of its own."""
+
+    KEY, SWITCH, NEEDS_GOLD, HERMES_ONLY, KIND = "signals", "sft", True, GOLD_LAYOUT, "sft"
+
+    def __init__(self, sft: bool):
+        self.sft = sft
 
 
 @dataclass
-class OPSConfig:
+class OPSConfig(SignalSection):
+    KEY, NEEDS_GOLD, HERMES_ONLY = "signals.ops", True, GOLD_LAYOUT
     enabled: bool = doc(False, "off-policy supervision: gold trajectories become members of every GRPO group")
     mode: str = doc("replace", "replace: `members` of the group_size slots hold the gold trajectory (authors' replace_num) | add: they join the group_size sampled ones (Eq. 4)")
     members: int = doc(1, "gold members per group (authors: replace_num=1 of n=8)")
 
+    def problems(self) -> list[tuple[bool, str]]:
+        return [(self.mode in ("replace", "add"), f"signals.ops.mode must be replace or add, got {self.mode!r}"),
+                (self.members >= 1 or not self.enabled, f"signals.ops.members must be >= 1, got {self.members}")]
+
 
 @dataclass
-class HintConfig:
+class HintConfig(SignalSection):
+    KEY, NEEDS_GOLD = "signals.hint", True
+    HERMES_ONLY = "its hint is cut out of Keel's own prompt layout, keel.rollout.encode_prompt"
     enabled: bool = doc(False, "hint-based guidance: a hint in the prompt while sampling, removed for the update")
-    kinds: list[str] = doc(["first_call", "relation_path"], "hint texts, keys of keel.signals.hints.HINTS: first_call, relation_path, function_names")
+    kinds: list[str] = doc(["first_call", "relation_path"], "hint texts, of HINT_KINDS (keel.signals.hints.HINTS): first_call, relation_path, function_names")
     position: str = doc("system", "system (end of the system instructions, authors' placement) | user (end of the first user message)")
     only_failed: bool = doc(False, "hint a prompt only if its whole group scored <= fail_at the last time it was sampled")
     fail_at: float = doc(0.0, FAIL_AT_HELP)
@@ -320,7 +372,8 @@ class HintConfig:
 
 
 @dataclass
-class ETSConfig:
+class ETSConfig(SignalSection):
+    KEY, NEEDS_GOLD, HERMES_ONLY, KIND = "signals.ets", True, GOLD_LAYOUT, "ets"
     enabled: bool = doc(False, "erroneous trajectory supervision: gold SFT on prompts whose whole group failed")
     window: int = doc(50, "a failed prompt stays eligible for this many RL steps after its latest all-failed group")
     capacity: int = doc(256, "most prompts kept (the most recently failed)")
@@ -328,7 +381,10 @@ class ETSConfig:
 
 
 @dataclass
-class ReflectionConfig:
+class ReflectionConfig(SignalSection):
+    KEY, KIND = "signals.reflection", "reflection"
+    HERMES_ONLY = "its reflection requests and targets are written in the Hermes layout"
+    ONE_PROCESS = "PRS"
     enabled: bool = doc(False, "process reflection supervision: train the policy to write an analyzer's reflection on its failed trajectories")
     analyzer: str = doc("rule", "rule (offline, replays the gold path) | llm (an OpenAI-compatible endpoint)")
     base_url: str = doc("", "llm analyzer: endpoint base URL, e.g. http://127.0.0.1:8000/v1")
@@ -339,9 +395,19 @@ class ReflectionConfig:
     max_tokens: int = doc(2048, "longest reflection example (trajectory + request + reflection); longer ones are dropped")
     fail_at: float = doc(0.0, "a trajectory with reward <= this is reflected on")
 
+    def needs_gold(self) -> bool:
+        return self.enabled and self.analyzer == "rule"  # the rule analyzer replays the gold path
+
+    def problems(self) -> list[tuple[bool, str]]:
+        return [(self.analyzer in ("rule", "llm"), f"signals.reflection.analyzer must be rule or llm, got {self.analyzer!r}"),
+                (self.analyzer != "llm" or not self.enabled or bool(self.base_url and self.model),
+                 "signals.reflection.analyzer=llm needs signals.reflection.base_url and signals.reflection.model")]
+
 
 @dataclass
-class SelfDistillConfig:
+class SelfDistillConfig(SignalSection):
+    KEY, SWITCH = "signals.self_distill", "trajectories"
+    HERMES_ONLY = "`keel distill` writes episodes in the Hermes layout"
     trajectories: str = doc("", "JSONL of kept episodes (keel.signals.restem.write_trajectories); set: the SFT warm-start trains on them instead of gold")
 
 
@@ -366,10 +432,15 @@ class SignalsConfig:
     self_distill: SelfDistillConfig = doc(SelfDistillConfig(), "paper B's ReST-EM self-distillation (keel.signals.restem)")
 
 
+def signal_sections(s: SignalsConfig) -> list[SignalSection]:
+    """Every signal of the `signals:` section: `signals.sft`, then each section in field order."""
+    return [GoldSFTSwitch(s.sft)] + [v for v in (getattr(s, f.name) for f in dataclasses.fields(s)) if isinstance(v, SignalSection)]
+
+
 def supervision_kinds(s: SignalsConfig) -> tuple[str, ...]:
     """The supervision data kinds that are on, in SUPERVISION_KINDS order."""
-    on = {"sft": s.sft, "ets": s.ets.enabled, "reflection": s.reflection.enabled}
-    return tuple(k for k in SUPERVISION_KINDS if on[k])
+    on = {sec.KIND for sec in signal_sections(s) if sec.KIND and sec.on()}
+    return tuple(k for k in SUPERVISION_KINDS if k in on)
 
 
 def check_signals(s: SignalsConfig) -> None:
@@ -388,11 +459,7 @@ def check_signals(s: SignalsConfig) -> None:
         (s.batch_size >= 1, f"signals.batch_size must be >= 1, got {s.batch_size}"),
         (s.sync_examples >= 1, f"signals.sync_examples must be >= 1, got {s.sync_examples}"),
         (min(s.sft_weight, s.ets_weight, s.reflection_weight) >= 0, "signals.*_weight must be >= 0"),
-        (s.ops.mode in ("replace", "add"), f"signals.ops.mode must be replace or add, got {s.ops.mode!r}"),
-        (s.ops.members >= 1 or not s.ops.enabled, f"signals.ops.members must be >= 1, got {s.ops.members}"),
-        (s.reflection.analyzer in ("rule", "llm"), f"signals.reflection.analyzer must be rule or llm, got {s.reflection.analyzer!r}"),
-        (s.reflection.analyzer != "llm" or not s.reflection.enabled or (s.reflection.base_url and s.reflection.model),
-         "signals.reflection.analyzer=llm needs signals.reflection.base_url and signals.reflection.model"),
+        *(check for sec in signal_sections(s) for check in sec.problems()),
         (not (s.paradigm == "synchronous" and (at_steps or s.every)), "signals.at_steps / signals.every apply to the interleaved paradigm only"),
         (not (s.paradigm == "interleaved" and kinds and not (at_steps or s.every)),
          f"signals: {'/'.join(kinds)} is on with paradigm interleaved but no phase is scheduled; set signals.at_steps or signals.every"),
@@ -623,19 +690,9 @@ def check_chat_format(cfg: Config) -> None:
     keel.templates.for_run refuses what needs the Hermes family.)"""
     if cfg.model.chat_format != "template":
         return
-    s = cfg.signals
-    gold = "the signals build their gold trajectories (keel.sft.gold_trajectory) in the Hermes layout"
-    hermes_only = [
-        (s.hint.enabled, "signals.hint", "its hint is cut out of Keel's own prompt layout, keel.rollout.encode_prompt"),
-        (s.ops.enabled, "signals.ops", gold),
-        (s.ets.enabled, "signals.ets", gold),
-        (s.sft, "signals.sft", gold),
-        (s.reflection.enabled, "signals.reflection", "its reflection requests and targets are written in the Hermes layout"),
-        (bool(s.self_distill.trajectories), "signals.self_distill.trajectories", "`keel distill` writes episodes in the Hermes layout"),
-    ]
-    for on, key, why in hermes_only:
-        if on:
-            raise ConfigError(f"model.chat_format=template does not support {key} (its layout is Hermes-only: {why}); "
+    for sec in signal_sections(cfg.signals):
+        if sec.HERMES_ONLY and sec.on():
+            raise ConfigError(f"model.chat_format=template does not support {sec.label()} (its layout is Hermes-only: {sec.HERMES_ONLY}); "
                               "use model.chat_format=hermes or turn it off")
 
 
@@ -718,13 +775,12 @@ def _check_names(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     hint = cfg.signals.hint
-    if hint.enabled:  # the names live with the hints (keel.signals.hints), which import torch: only then
+    if hint.enabled:  # the positions live with the prompt layout (keel.rollout), which imports torch: only then
         from keel.rollout import HINT_POSITIONS
-        from keel.signals.hints import HINTS
 
-        unknown = [k for k in hint.kinds if k not in HINTS]
+        unknown = [k for k in hint.kinds if k not in HINT_KINDS]
         if unknown:
-            raise ConfigError(f"signals.hint.kinds: unknown hint kind(s) {unknown} (known: {', '.join(HINTS)})")
+            raise ConfigError(f"signals.hint.kinds: unknown hint kind(s) {unknown} (known: {', '.join(HINT_KINDS)})")
         if hint.position not in HINT_POSITIONS:
             raise ConfigError(f"signals.hint.position must be {' or '.join(HINT_POSITIONS)}, got {hint.position!r}")
 

@@ -24,7 +24,7 @@ import torch
 from keel import checkpoint
 from keel import metrics as M
 from keel.checkpoint import Progress
-from keel.config import Config, dump_yaml, get_key
+from keel.config import Config, dump_yaml, get_key, signal_sections
 from keel.distributed import DistContext, all_reduce_sum, barrier, broadcast_object, gather_objects, shard_groups
 from keel.diagnostics.detectors import Detectors
 from keel.diagnostics.step_metrics import PieceCache
@@ -36,6 +36,7 @@ from keel.models import DTYPES, LoRA, frozen_copy, load_model, native_bf16, reso
 from keel.rollout import SamplingParams
 from keel.rundir import append_jsonl, atomic_write_json, atomic_write_text, write_jsonl
 from keel.sft import SFTExample, decompose, gold_trajectory
+from keel.signals.schedule import Schedule
 from keel.signals.state import SignalState
 from keel.templates import ChatTemplate, for_run
 from keel.types import Env, Task
@@ -137,11 +138,11 @@ def _on_main(fn, ctx: DistContext):
 def check_distributed_config(cfg: Config, ctx: DistContext) -> None:
     """What runs data-parallel: SFT, GRPO (groups sharded), OPS, hints, ETS and interleaved
     supervision phases (the latter repeated identically on every rank). PRS and synchronous
-    supervision losses normalise by local counts inside the update and are refused."""
-    if cfg.signals.reflection.enabled:
-        raise UserError(f"distributed: signals.reflection (PRS) runs in one process only; {ctx.world_size} processes were started")
-    from keel.signals.schedule import Schedule
-
+    supervision losses normalise by local counts inside the update and are refused, as is any
+    signal whose section names a reason (keel.config.SignalSection.ONE_PROCESS)."""
+    for sec in signal_sections(cfg.signals):
+        if sec.ONE_PROCESS and sec.on():
+            raise UserError(f"distributed: {sec.label()} ({sec.ONE_PROCESS}) runs in one process only; {ctx.world_size} processes were started")
     schedule = Schedule.from_config(cfg.signals, cfg.grpo.lr)
     if any(schedule.sync_weight(k) > 0 for k in schedule.kinds):
         raise UserError("distributed: synchronous supervision losses (signals.paradigm=synchronous) run in one process only")

@@ -6,7 +6,7 @@ import dataclasses
 import random
 from pathlib import Path
 
-from keel.config import Config
+from keel.config import Config, signal_sections
 from keel.errors import UserError
 from keel.templates import ChatTemplate
 from keel.types import Env, Task
@@ -156,18 +156,11 @@ def tools_env(cfg: Config) -> Env:
     return ToolsEnv(backend, e.instructions, e.call_timeout_s, e.max_output_chars, name=e.kind)
 
 
-# Signals that train on (or show) the gold trajectory, by the config switch that turns them on.
 def gold_needed_by(cfg: Config) -> list[str]:
-    s = cfg.signals
-    wanted = [
-        ("sft.enabled", cfg.sft.enabled and cfg.sft.steps > 0 and not s.self_distill.trajectories),
-        ("signals.ops.enabled", s.ops.enabled),
-        ("signals.ets.enabled", s.ets.enabled),
-        ("signals.hint.enabled", s.hint.enabled),
-        ("signals.sft", s.sft),
-        ("signals.reflection.enabled", s.reflection.enabled and s.reflection.analyzer == "rule"),
-    ]
-    return [k for k, on in wanted if on]
+    """The switches of what trains on (or shows) the gold trajectory and is on: the SFT
+    warm-start on gold, then each signal whose section says it needs gold (keel.config.SignalSection)."""
+    warm_start = cfg.sft.enabled and cfg.sft.steps > 0 and not cfg.signals.self_distill.trajectories
+    return ["sft.enabled"] * warm_start + [sec.switch_key() for sec in signal_sections(cfg.signals) if sec.needs_gold()]
 
 
 def build_tools(cfg: Config, training: bool = True) -> tuple[Env, list[Task], list[Task]]:

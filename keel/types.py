@@ -254,8 +254,9 @@ class Episode(Protocol):
     `next_user_message` when an assistant turn has no call (None ends the episode), and `close`
     at the end (release simulators, caches; a checker may judge the episode here).
 
-    Optional — an episode may define them; the engine reads them through the functions below
-    this class, which give the default when one is absent:
+    Optional, declared here with their defaults (None: the episode has none); an episode that
+    does not subclass Episode may leave them out, so the engine reads them through the
+    functions below this class:
     - `parse(text) -> list[ToolCall]`: the episode's own call parser (function calling reads
       Python-call syntax too); default: the chat format's (Keel's Hermes <tool_call> JSON, or
       the model template family's). `episode_parser(episode)`.
@@ -264,6 +265,10 @@ class Episode(Protocol):
     - `info: dict`: read after `close`, merged into the trajectory's `info` (BFCL's
       `checker_valid`, which the function-calling rewards read); default: {}. `episode_info(episode)`.
     """
+
+    parse: Callable[[str], list[ToolCall]] | None = None
+    begin_step: Callable[[], None] | None = None
+    info: dict[str, Any] | None = None
 
     def execute(self, call: ToolCall) -> Observation: ...
 
@@ -274,26 +279,27 @@ class Episode(Protocol):
 
 def episode_parser(episode: Episode) -> Callable[[str], list[ToolCall]] | None:
     """The episode's own call parser, None when it has none (the caller's format parses)."""
-    return getattr(episode, "parse", None)
+    return getattr(episode, "parse", Episode.parse)
 
 
 def begin_step(episode: Episode) -> None:
     """Tell the episode an assistant turn with calls begins (a no-op for most envs)."""
-    begin = getattr(episode, "begin_step", None)
+    begin = getattr(episode, "begin_step", Episode.begin_step)
     if begin is not None:
         begin()
 
 
 def episode_info(episode: Episode) -> dict[str, Any]:
     """What the episode reported (after `close`); {} when it reports nothing."""
-    return dict(getattr(episode, "info", None) or {})
+    return dict(getattr(episode, "info", Episode.info) or {})
 
 
 class Env(Protocol):
     """A tool environment: its tool schemas, how a task is presented, and episodes.
 
     Required: `name`, `tools`, `system_prompt`, `user_message`, `start`.
-    Optional, read through the functions below this class with their defaults:
+    Optional, declared here with their defaults (an env that does not subclass Env may leave
+    them out: the engine reads them through the functions below this class):
     - `call_format: str`: how calls are written — "json" (Hermes <tool_call> JSON, the default),
       "python" or "python_tagged" (BFCL's format-OOD axis); gold texts, hints and reflections
       write calls in it. `env_call_format(env)`.
@@ -302,6 +308,8 @@ class Env(Protocol):
     """
 
     name: str
+    call_format: str = "json"
+    close: Callable[[], None] | None = None
 
     def tools(self, task: Task) -> list[dict[str, Any]]:
         """JSON schemas of the tools offered for this task (OpenAI function format)."""
@@ -320,11 +328,11 @@ class Env(Protocol):
 
 def env_call_format(env: Env | None) -> str:
     """The env's call format; "json" when it declares none (or there is no env)."""
-    return getattr(env, "call_format", "json") if env is not None else "json"
+    return getattr(env, "call_format", Env.call_format) if env is not None else Env.call_format
 
 
 def close_env(env: Env | None) -> None:
     """Release what the env holds for the run, if it holds anything (`Env.close`)."""
-    close = getattr(env, "close", None)
+    close = getattr(env, "close", Env.close)
     if callable(close):
         close()

@@ -41,7 +41,7 @@ def test_sft_rows_carry_sources_and_go_through_rl_collate():
 
 
 def test_saved_reflections_load_in_either_row_form():
-    from keel.signals.state import _with_sources
+    from keel.signals.reflection import _with_sources
 
     new = [[1, 2, 3], [0, 5, 5], "t", 0]
     assert _with_sources(new) == new

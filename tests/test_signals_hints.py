@@ -129,3 +129,10 @@ def test_hint_policy_only_failed_groups():
         HintPolicy(KG_ENV, kinds=["nope"])
     with pytest.raises(ValueError, match="position"):
         HintPolicy(KG_ENV, position="footer")
+
+
+def test_the_config_knows_every_hint_kind_and_no_other():
+    from keel.config import HINT_KINDS
+    from keel.signals.hints import HINTS
+
+    assert tuple(HINTS) == HINT_KINDS

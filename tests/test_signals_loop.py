@@ -1,6 +1,7 @@
-"""A rehearsal of the integration plan: one GRPO step with every signal on (hints, OPS replace,
-ETS, PRS), through the real rollout and train.grpo_update, then an interleaved phase. The body
-of `rl_step_with_signals` is what the report asks the lead to put into Trainer.rl_step."""
+"""One GRPO step with every signal on (hints, OPS replace, ETS, PRS), through the real rollout
+and train.grpo_update, then an interleaved phase. `rl_step_with_signals` writes the signals'
+part of a step out by hand from their building blocks; keel.signals.state.SignalState, which
+keel.train.rl_step calls, must give the same step (the last test)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _tasks() -> list[Task]:
 
 
 def rl_step_with_signals(model, tok, env, batch_tasks, cfg, signals, state, rl_step, rng, gen):
-    """Mirror of the planned Trainer.rl_step additions (see the report)."""
+    """The signals' part of an RL step, written out by hand."""
     s = signals
     n_replace = s.ops.members if s.ops.enabled and s.ops.mode == "replace" else 0
     rows, groups = sampled_rows(batch_tasks, cfg.rollout.group_size, n_replace)
@@ -112,3 +113,53 @@ def test_one_step_with_every_signal_then_an_interleaved_phase(tiny):
     lines = run_phase(model, examples, phase, tok.pad_token_id, 1.0, rng)
     assert len(lines) == 3  # 6 ETS single-step examples + 3 reflections = 9, batches of 4
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_signal_state_gives_the_hand_written_step_and_round_trips_its_state(tiny):
+    from keel.distributed import DistContext
+    from keel.signals.schedule import signals_from_dict
+    from keel.signals.state import SignalState
+
+    base, tok = tiny
+    cfg = Config()
+    cfg.rollout.group_size, cfg.rollout.max_turns, cfg.rollout.max_new_tokens, cfg.rollout.max_total_tokens = 3, 2, 8, 4096
+    signals = signals_from_dict({"at_steps": [1], "ops": {"enabled": True, "mode": "replace", "members": 1},
+                                 "hint": {"enabled": True, "kinds": ["relation_path"]}, "ets": {"enabled": True, "window": 5},
+                                 "reflection": {"enabled": True, "per_step": 3, "pool": 10}})
+    tasks = _tasks()
+    by_id = {t.id: t for t in tasks}
+    state = {"hints": HintPolicy(KG_ENV, signals.hint.kinds), "ets": ETSBuffer(signals.ets.window, signals.ets.capacity),
+             "analyzer": RuleAnalyzer(KG_ENV), "reflections": [], "gold": {}, "tasks_by_id": by_id}
+    want_trajs, want_members, want_adv, _ = rl_step_with_signals(copy.deepcopy(base), tok, KG_ENV, tasks, cfg, signals, state, 1,
+                                                                 random.Random(0), torch.Generator().manual_seed(0))
+
+    sig = SignalState(signals, cfg.grpo.lr, KG_ENV, tok, tasks, by_id, packed=False)
+    rng = random.Random(0)
+    rows, groups = sampled_rows(tasks, cfg.rollout.group_size, sig.replaced_slots())
+    hints, line = sig.hints(tasks, groups)
+    params = SamplingParams(temperature=1.0, max_turns=cfg.rollout.max_turns, max_new_tokens=cfg.rollout.max_new_tokens,
+                            max_total_tokens=cfg.rollout.max_total_tokens)
+    trajs = rollout(copy.deepcopy(base), tok, KG_ENV, rows, params, generator=torch.Generator().manual_seed(0), hints=hints, groups=groups)
+    for tr, task in zip(trajs, rows):
+        tr.reward = r_binary(tr, task)[0]
+    group_rewards = [[tr.reward for tr, g in zip(trajs, groups) if g == k] for k in range(len(tasks))]
+    line.update(sig.observe(1, [t.id for t in tasks], group_rewards))
+    members, adv, ops_line = sig.members(trajs, torch.tensor([tr.reward for tr in trajs]), groups, tasks, [0, 1],
+                                         lambda tr, task: r_binary(tr, task), cfg.grpo, DistContext())
+    line.update(ops_line)
+    line.update(sig.reflect(trajs, rng))
+
+    assert [tr.token_ids for tr in trajs] == [tr.token_ids for tr in want_trajs]
+    assert [tr.token_ids for tr in members] == [tr.token_ids for tr in want_members] and torch.equal(adv, want_adv)
+    assert line == {"signal/hinted_groups": 1.0, "signal/ets_buffer": 2.0, "signal/ops_members": 2,
+                    "signal/reflections": 3.0, "signal/reflection_errors": 0.0}
+    assert sig.old_from_policy(members, other_sampler=False) == [True] * 4 + [False] * 2  # hinted sampled rows; gold members are not hinted
+    saved = sig.state_dict()
+    assert saved["ets"]["entries"] == [["t0", 1], ["t1", 1]] and saved["hints"] == {"failed": ["t0", "t1"]}
+    assert [r[0] for r in saved["reflections"]] == [e.token_ids for e in state["reflections"]]
+    assert [e.token_ids for e in sig.supervision_pool("ets")] == [e.token_ids for e in state["ets"].sft_examples(tok, KG_ENV, by_id)]
+
+    resumed = SignalState(signals, cfg.grpo.lr, KG_ENV, tok, tasks, by_id, packed=False)
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict() == saved
+    assert [e.token_ids for e in resumed.supervision_pool("reflection")] == [e.token_ids for e in state["reflections"]]

@@ -16,7 +16,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Sequence
 
+from keel import metrics as M
+from keel.config import SignalsConfig
 from keel.sft import SFTExample, cached_gold_trajectory, decompose
+from keel.signals.base import Signal, SignalContext
 from keel.types import Env, Task, Trajectory
 
 
@@ -94,3 +97,32 @@ class ETSBuffer:
         self.entries = OrderedDict((t, s) for t, s in entries)
         while len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
+
+
+class ETS(Signal):
+    """`signals.ets`: prompts whose whole group failed enter the buffer; its supervision kind
+    "ets" trains on their gold single-step examples."""
+
+    name, kind = "ets", "ets"
+
+    def __init__(self, cfg: SignalsConfig, ctx: SignalContext):
+        super().__init__(cfg, ctx)
+        self.buffer = ETSBuffer(cfg.ets.window, cfg.ets.capacity, cfg.ets.fail_at)
+
+    @staticmethod
+    def enabled(cfg: SignalsConfig) -> bool:
+        return cfg.ets.enabled
+
+    def observe(self, rl_step, task_ids, group_rewards):
+        self.buffer.observe(rl_step, task_ids, group_rewards)
+        return {M.SIGNAL_ETS_BUFFER: float(len(self.buffer))}
+
+    def pool(self) -> list[SFTExample]:
+        c = self.ctx
+        return self.buffer.sft_examples(c.tokenizer, c.env, c.tasks_by_id, packed=c.packed, cache=c.gold_cache)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state)

@@ -24,7 +24,10 @@ import copy
 import json
 from typing import Any, Callable, Sequence
 
+from keel import metrics as M
+from keel.config import SignalsConfig
 from keel.rollout import HINT_POSITIONS, encode_prompt
+from keel.signals.base import Signal, SignalContext
 from keel.types import Env, Source, Task, Trajectory, env_call_format
 
 
@@ -176,3 +179,38 @@ class HintPolicy:
         if not isinstance(failed, list) or not all(isinstance(t, str) for t in failed):
             raise ValueError("HintPolicy.load_state_dict: expected {'failed': [task ids]}")
         self.failed = set(failed)
+
+
+class Hints(Signal):
+    """`signals.hint`: a hint in each chosen prompt while sampling (HintPolicy decides which);
+    collate drops the hint tokens, and under `recompute_old_logprobs` a hinted row takes its old
+    log-probs from the policy on the hint-free sequence (π(·|no hint), as verl's recomputed
+    old log-probs give) since it was sampled with the hint in context."""
+
+    name = "hints"
+
+    def __init__(self, cfg: SignalsConfig, ctx: SignalContext):
+        super().__init__(cfg, ctx)
+        h = cfg.hint
+        self.policy = HintPolicy(ctx.env, h.kinds, h.position, h.only_failed, h.fail_at)
+
+    @staticmethod
+    def enabled(cfg: SignalsConfig) -> bool:
+        return cfg.hint.enabled
+
+    def hints(self, batch_tasks):
+        per_task = self.policy.hints_for(batch_tasks)
+        return per_task, {M.SIGNAL_HINTED_GROUPS: sum(h is not None for h in per_task) / len(per_task)}
+
+    def observe(self, rl_step, task_ids, group_rewards):
+        self.policy.observe(task_ids, group_rewards)
+        return {}
+
+    def old_from_policy(self, traj: Trajectory) -> bool:
+        return self.cfg.hint.recompute_old_logprobs and is_hinted(traj)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.policy.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state)

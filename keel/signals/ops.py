@@ -32,9 +32,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from keel import metrics as M
 from keel.chat import IM_END
+from keel.config import SignalsConfig
+from keel.distributed import all_reduce_sum
 from keel.losses import group_advantages
 from keel.sft import cached_gold_trajectory, gold_texts
+from keel.signals.base import Signal
 from keel.types import Env, Source, Task, Trajectory
 
 
@@ -117,6 +121,27 @@ def group_with_experts(
     all_groups = torch.cat([groups_t, torch.tensor([e.group for e in experts], dtype=torch.long)])
     adv = group_advantages(all_rewards, all_groups, scale_by_std)
     return MixedGroups(list(trajs) + list(experts), all_rewards, all_groups, adv, [False] * len(trajs) + [True] * len(experts))
+
+
+class OPS(Signal):
+    """`signals.ops`: gold members in every GRPO group ("replace": they take `members` of the
+    group_size slots, so fewer rows are sampled; "add": they join the sampled ones), with
+    advantages over both kinds (Eq. 4)."""
+
+    @staticmethod
+    def enabled(cfg: SignalsConfig) -> bool:
+        return cfg.ops.enabled
+
+    def replaced_slots(self) -> int:
+        return self.cfg.ops.members if self.cfg.ops.mode == "replace" else 0
+
+    def members(self, local, rewards, groups, batch_tasks, mine, reward_fn, grpo, ctx):
+        """Each of this rank's groups (`mine`) gains its gold members; signal/ops_members counts them over all ranks."""
+        experts = [e for k in mine for e in expert_members(self.ctx.tokenizer, self.ctx.env, batch_tasks[k], self.cfg.ops.members,
+                                                           group=k, cache=self.ctx.gold_cache)]
+        expert_rewards = [reward_fn(e, batch_tasks[e.group])[0] for e in experts]
+        mixed = group_with_experts(local, rewards, experts, expert_rewards, groups, grpo.scale_by_std)
+        return mixed.trajectories, mixed.advantages, {M.SIGNAL_OPS_MEMBERS: all_reduce_sum([len(experts)], ctx)[0]}
 
 
 # --- "replace" inside a live rollout ----------------------------------------------------------------

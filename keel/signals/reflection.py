@@ -28,11 +28,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from keel import metrics as M
 from keel.answers import exact_match
 from keel.chat import IM_END, render_user_turn
+from keel.config import SignalsConfig
 from keel.kg.base import ENTITY_VERBS
 from keel.rewards import is_empty_observation
 from keel.sft import SFTExample, decompose
+from keel.signals.base import Signal, SignalContext
 from keel.types import Env, Source, Step, Task, ToolCall, Trajectory, begin_step, env_call_format, is_function_calling
 
 # cause -> how the reflection names it
@@ -471,3 +474,48 @@ def reflection_example(tokenizer, traj: Trajectory, reflection_text: str, max_to
         return None
     (example,) = decompose(tr, target_sources=(Source.REFLECTION,))
     return example
+
+
+class PRS(Signal):
+    """`signals.reflection`: an analyzer reflects on failed episodes (visited in an order drawn
+    from the run's rng); the newest `signals.reflection.pool` reflection examples are the
+    supervision kind "reflection". The pool is its checkpointed state (reflections.pt)."""
+
+    name, kind = "reflections", "reflection"
+
+    def __init__(self, cfg: SignalsConfig, ctx: SignalContext):
+        super().__init__(cfg, ctx)
+        r = cfg.reflection
+        self.analyzer = RuleAnalyzer(ctx.env) if r.analyzer == "rule" else LLMAnalyzer(r.base_url, r.model, r.api_key or None,
+                                                                                         env_call_format(ctx.env))
+        self.examples: list[SFTExample] = []  # newest last
+
+    @staticmethod
+    def enabled(cfg: SignalsConfig) -> bool:
+        return cfg.reflection.enabled
+
+    def reflect(self, trajs, rng):
+        r = self.cfg.reflection
+        got, errors = collect_reflections(self.analyzer, rng.sample(trajs, len(trajs)), self.ctx.tasks_by_id, r.fail_at, r.per_step)
+        self.examples.extend(e for e in (reflection_example(self.ctx.tokenizer, tr, x.text, r.max_tokens) for tr, x in got) if e is not None)
+        del self.examples[: -r.pool]
+        return {M.SIGNAL_REFLECTIONS: float(len(got)), M.SIGNAL_REFLECTION_ERRORS: float(errors)}
+
+    def pool(self) -> list[SFTExample]:
+        return list(self.examples)
+
+    def state_dict(self) -> list:
+        """[(token_ids, sources, task_id, turn), ...], oldest first."""
+        return [(e.token_ids, e.sources, e.task_id, e.turn) for e in self.examples]
+
+    def load_state_dict(self, state: list) -> None:
+        self.examples = [SFTExample(*_with_sources(row)) for row in state]
+
+
+def _with_sources(row: list) -> list:
+    """A saved reflection row; rows saved before SFT rows carried sources held target flags
+    (True → REFLECTION, False → PROMPT, the same loss)."""
+    ids, marks, *rest = row
+    if all(isinstance(m, bool) for m in marks):
+        marks = [int(Source.REFLECTION) if m else int(Source.PROMPT) for m in marks]
+    return [ids, marks, *rest]
