@@ -161,12 +161,22 @@ def _cascading(model) -> bool:
     return model.config._attn_implementation == cascade.NAME
 
 
+def _last_column(input_ids: torch.Tensor) -> torch.Tensor:
+    """`logits_to_keep` for "the last column only", as an index tensor rather than the int 1.
+
+    Only the last column's logits are used (a 60-token tool block at batch 16 would otherwise
+    materialise 16×60×49k logits). With the int, transformers slices the hidden states to a
+    strided [B, 1, H] view, and torch 2.13's CPU bf16 linear on that view broadcasts the LM head
+    to every row: at batch 50, 1.8 s and 2.7 GB for what takes 5.5 ms on a contiguous input
+    (bench/lm_head_view.py). An index tensor makes the slice a contiguous copy."""
+    return torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
+
+
 def _forward(model, input_ids, attn, positions, cache):
-    # logits_to_keep=1: only the last column's logits are used; a 60-token tool block at batch 16
-    # would otherwise materialise 16×60×49k logits. keel_cache: read by keel.cascade's attention.
+    # keel_cache: read by keel.cascade's attention
     extra = {"keel_cache": cache} if _cascading(model) else {}
     out = model(input_ids=input_ids, attention_mask=attn, position_ids=positions, past_key_values=cache, use_cache=True,
-                logits_to_keep=1, **extra)
+                logits_to_keep=_last_column(input_ids), **extra)
     return out.logits[:, -1, :].float(), out.past_key_values
 
 
@@ -199,7 +209,8 @@ def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, obj
     lcp = common_prefix_len(prompts)
     if lcp == 0:
         return _prefill_each(model, prompts, device)
-    out = model(input_ids=torch.tensor([first[:lcp]], device=device), past_key_values=_growing_cache(), use_cache=True, logits_to_keep=1)
+    ids = torch.tensor([first[:lcp]], device=device)
+    out = model(input_ids=ids, past_key_values=_growing_cache(), use_cache=True, logits_to_keep=_last_column(ids))
     cache = out.past_key_values
     if _cascading(model):
         prefix, cache = cache, _growing_cache()
@@ -231,7 +242,7 @@ def _prefill_each(model, prompts: list[list[int]], device) -> tuple[torch.Tensor
     per_prompt = []
     for p in distinct:
         ids = torch.tensor([list(p)], device=device)
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=_last_column(ids))
         kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         per_prompt.append((out.logits[:, -1, :].float(), kv, len(p)))
     max_len = max(n for _, _, n in per_prompt)
