@@ -32,7 +32,7 @@ from keel.diagnostics.telemetry import ControlFrequencyBaseline
 from keel.errors import UserError
 from keel.evaluate import evaluate_model
 from keel.memory import release_free_memory, set_mmap_threshold
-from keel.models import DTYPES, LoRA, frozen_copy, load_model, native_bf16, resolve_device
+from keel.models import DTYPES, LoRA, frozen_copy, frozen_reference, load_model, native_bf16, resolve_device
 from keel.rollout import SamplingParams
 from keel.rundir import append_jsonl, atomic_write_json, atomic_write_text, write_jsonl
 from keel.sft import SFTExample, decompose, gold_trajectory
@@ -303,7 +303,7 @@ def make_reference(run: Run) -> None:
         run.lora.fold()
         run.ref_model = run.lora
         return
-    run.ref_model = frozen_copy(run.model)
+    run.ref_model = frozen_reference(run.model, run.cfg.model.autocast)
 
 
 def evaluate(run: Run, label: str) -> dict[str, float]:

@@ -37,7 +37,7 @@ from keel.distributed import (DistContext, ShardedUpdate, gather_objects, gather
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
 from keel.losses import aggregate, clipped_surrogate, kl_estimate
 from keel.memory import release_free_memory
-from keel.models import autocast_context, copy_weights, make_optimizer, reference_network
+from keel.models import autocast_context, copy_weights, make_optimizer, no_autocast, reference_network, release_weights
 from keel.rewards import resolve_reward, score
 from keel.rollout import SamplingParams, rollout
 from keel.run import (Run, check_distributed_config, evaluate, evaluate_rl, finish, handle_alerts, interrupted_anywhere, log, make_reference,
@@ -107,55 +107,55 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
     parts = micro_batches(kept, g.micro_batch_size, max_tokens)
     ref_net, ref_mode = reference_network(ref_model, model)
     ref_prefix = None
-    with autocast_context(model, autocast):
+    with autocast_context(model, autocast):  # open for the whole update: the weights are cast once (models.autocast_context)
         prefix = update_prefix(model, kept, parts)
         if ref_net is not None:  # the reference's own encoding of the same prefix, also once per update
             with torch.no_grad(), ref_mode():
                 ref_prefix = update_prefix(ref_net, kept, parts)
-    for part in parts:
-        idx = [members[j] for j in part]
-        batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
-        with autocast_context(model, autocast):
+        for part in parts:
+            idx = [members[j] for j in part]
+            batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
             logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True,
                                        prefix=prefix)
-        if ref_net is None:
-            ref_logp = logp.detach()
-        else:
-            with torch.no_grad(), ref_mode(), autocast_context(model, autocast):
-                ref_logp, _ = token_logprobs(ref_net, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, prefix=ref_prefix)
-        # Expert tokens (off-policy supervision) were not sampled, and the caller's rows were
-        # sampled by other weights or context: their "old" log-prob is the current policy's,
-        # taken before the update (ratio 1 at this step, as in paper A).
-        rows_from_policy = torch.tensor([old_from_policy is not None and bool(old_from_policy[i]) for i in idx])  # [B]
-        from_policy = (batch.sources == Source.EXPERT) | rows_from_policy[:, None]  # [B, T]
-        old = torch.where(from_policy[batch.target_mask], logp.detach(), batch.old_logprobs[batch.target_mask])
-        adv = batch.advantages[batch.target_mask]
-        seq_index = batch.target_mask.nonzero()[:, 0]
-        lengths = batch.target_mask.sum(1).float()
-        pg, low, high = clipped_surrogate(logp, old, adv, g.clip_low, g.clip_high)
-        kl = kl_estimate(logp, ref_logp, g.kl_estimator)
-        pg_loss = aggregate(pg, seq_index, g.loss_aggregation, num_tokens, num_seqs, lengths)
-        kl_loss = aggregate(kl, seq_index, g.loss_aggregation, num_tokens, num_seqs, lengths)
-        loss = pg_loss + g.kl_coef * kl_loss
-        loss.backward()
-        with torch.no_grad():
-            sums["pg"] += float(pg_loss)
-            sums["kl"] += float(kl_loss)
-            sums["k1"] += float(kl_estimate(logp, ref_logp, "k1").sum())
-            k3 = kl_estimate(logp, ref_logp, "k3")
-            sums["k3"] += float(k3.sum())
-            sums["low"] += float(low.sum())
-            sums["high"] += float(high.sum())
-            sums["ratio"] += float(torch.exp(logp - old).sum())
-            sums["ent"] += float(ent.sum())
-            if telemetry_sink is not None:
-                off = 0
-                for b, i in enumerate(idx):
-                    n = int(batch.target_mask[b].sum())
-                    telemetry_sink.append((i, batch.input_ids[b][batch.target_mask[b]].tolist(), logp[off : off + n].detach(), ref_logp[off : off + n].detach(), ent[off : off + n]))
-                    off += n
-    if prefix is not None:
-        prefix.backward()
+            if ref_net is None:
+                ref_logp = logp.detach()
+            else:
+                with torch.no_grad(), ref_mode():
+                    ref_logp, _ = token_logprobs(ref_net, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, prefix=ref_prefix)
+            # Expert tokens (off-policy supervision) were not sampled, and the caller's rows were
+            # sampled by other weights or context: their "old" log-prob is the current policy's,
+            # taken before the update (ratio 1 at this step, as in paper A).
+            rows_from_policy = torch.tensor([old_from_policy is not None and bool(old_from_policy[i]) for i in idx])  # [B]
+            from_policy = (batch.sources == Source.EXPERT) | rows_from_policy[:, None]  # [B, T]
+            old = torch.where(from_policy[batch.target_mask], logp.detach(), batch.old_logprobs[batch.target_mask])
+            adv = batch.advantages[batch.target_mask]
+            seq_index = batch.target_mask.nonzero()[:, 0]
+            lengths = batch.target_mask.sum(1).float()
+            pg, low, high = clipped_surrogate(logp, old, adv, g.clip_low, g.clip_high)
+            kl = kl_estimate(logp, ref_logp, g.kl_estimator)
+            pg_loss = aggregate(pg, seq_index, g.loss_aggregation, num_tokens, num_seqs, lengths)
+            kl_loss = aggregate(kl, seq_index, g.loss_aggregation, num_tokens, num_seqs, lengths)
+            loss = pg_loss + g.kl_coef * kl_loss
+            with no_autocast(model):
+                loss.backward()
+            with torch.no_grad():
+                sums["pg"] += float(pg_loss)
+                sums["kl"] += float(kl_loss)
+                sums["k1"] += float(kl_estimate(logp, ref_logp, "k1").sum())
+                k3 = kl_estimate(logp, ref_logp, "k3")
+                sums["k3"] += float(k3.sum())
+                sums["low"] += float(low.sum())
+                sums["high"] += float(high.sum())
+                sums["ratio"] += float(torch.exp(logp - old).sum())
+                sums["ent"] += float(ent.sum())
+                if telemetry_sink is not None:
+                    off = 0
+                    for b, i in enumerate(idx):
+                        n = int(batch.target_mask[b].sum())
+                        telemetry_sink.append((i, batch.input_ids[b][batch.target_mask[b]].tolist(), logp[off : off + n].detach(), ref_logp[off : off + n].detach(), ent[off : off + n]))
+                        off += n
+        if prefix is not None:
+            prefix.backward()  # in the precision the prefix was encoded in
     extra_total = 0.0
     if extra_losses:
         for kind, weight, examples in extra_losses:
@@ -235,7 +235,7 @@ def loop(run: Run, resume: bool) -> dict[str, Any]:
         p.phase = "rl"
         make_reference(run)
         if cfg.run.save_checkpoints:
-            checkpoint.save(run, "reference", run.model if run.lora is not None else run.ref_model, None, {"step": p.step})
+            checkpoint.save(run, "reference", run.model, None, {"step": p.step})  # the policy is the reference here, in its own dtype
         start = p.summary.get("eval_after_sft") or p.summary.get("eval_before_sft")
         if start:  # where RL starts is the first peak and the detectors' first eval: a cliff in the first window is caught
             handle_alerts(run, dict(start))
@@ -373,6 +373,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     extra = signals.sync_losses(run.rng)  # synchronous paradigm: supervision losses inside this update
     t1 = time.time()
     old_from_policy = signals.old_from_policy(members, other_sampler=run.sampler is not run.model or cfg.model.autocast)
+    release_weights(run.sampler, run.model)  # refilled by copy_weights after the update
     sink: list = []
     update = ShardedUpdate(run.optimizer, run.model, members, adv, g, ctx)  # one process: run.optimizer and g as they are
     stats = update.finish(grpo_update(run.model, run.ref_model, update.optimizer, members, adv, update.grpo, run.pad_id, cfg.rollout.temperature,

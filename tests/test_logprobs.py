@@ -198,3 +198,71 @@ def test_update_wide_prefix_gives_the_per_micro_batch_gradients(tiny):
     assert torch.allclose(v0, v1, atol=1e-5)
     for n in g0:
         assert torch.allclose(g0[n], g1[n], atol=1e-5, rtol=1e-4), n
+
+
+def _saved_bytes(fn) -> tuple[int, list[tuple[int, ...]]]:
+    """Bytes of the distinct storages autograd keeps for backward while `fn` runs, and their shapes."""
+    seen: dict[int, int] = {}
+    shapes = []
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen[key] = t.untyped_storage().nbytes()
+            shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values()), shapes
+
+
+def test_training_attention_keeps_no_repeated_keys_and_changes_no_value(tiny):
+    """keel.logprobs._training_sdpa: grouped-query keys and values go to SDPA as they are, and the
+    mask is made additive once per forward. transformers' SDPA path (the body run directly)
+    repeats keys and values to every query head and backward keeps those copies; the values and
+    gradients are the same."""
+    from keel.logprobs import _hidden_states_of
+
+    model, tok = tiny
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    assert kv < heads  # the tiny model has grouped-query attention, as SmolLM2 does
+    ids, attn, target, _ = _batch(tok)
+    B, T = ids.shape
+    m_hf, m_keel = copy.deepcopy(model).train(), copy.deepcopy(model).train()
+    body_hf, body_keel = m_hf.model, m_keel.model
+
+    hf_bytes, hf_shapes = _saved_bytes(lambda: _hidden_states_of(body_hf, ids, attn, None).square().sum().backward())
+    keel_bytes, keel_shapes = _saved_bytes(lambda: _hidden_states(body_keel, ids, attn).square().sum().backward())
+    head_dim = cfg.hidden_size // heads
+    repeated = [s for s in hf_shapes if len(s) == 4 and s[1] == heads and s[3] == head_dim]
+    assert len(repeated) > len([s for s in keel_shapes if len(s) == 4 and s[1] == heads and s[3] == head_dim])
+    # at least the repeated keys and values of every layer (fp32: 4 bytes) are no longer kept
+    assert hf_bytes - keel_bytes >= 2 * cfg.num_hidden_layers * B * (heads - kv) * head_dim * 4 * (T - shared_prefix_len(ids, attn)) // 2
+    for (n, a), (_, b) in zip(m_hf.named_parameters(), m_keel.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), n
+    with torch.no_grad():
+        valid = attn.bool()
+        assert torch.allclose(_hidden_states_of(body_hf, ids, attn, None)[valid], _hidden_states(body_keel, ids, attn)[valid], atol=1e-5)
+    assert m_keel.config._attn_implementation == "sdpa"  # switched back after the forward
+
+
+def test_update_wide_prefix_keeps_no_graph_until_its_backward(tiny):
+    """SharedPrefix encodes the prefix without a graph and encodes it again in `backward`: nothing
+    is kept for backward between (the KG task's ~580-token system block cost ~650 MB held over a
+    whole update), and the gradients it sends are the ones test_update_wide_prefix_... checks."""
+    from keel.logprobs import SharedPrefix
+
+    model, _ = tiny
+    m = copy.deepcopy(model).train()
+    prefix = torch.randint(5, 200, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    holder = []
+    kept, _ = _saved_bytes(lambda: holder.append(SharedPrefix(m, prefix)))
+    assert kept == 0
+    pre = holder[0]
+    hidden, cache = pre.states(2)
+    assert hidden.requires_grad and hidden.grad_fn is not None and all(leaf.grad_fn is None for leaf in pre._leaves)
+    with torch.no_grad():
+        frozen = SharedPrefix(m, prefix)
+    assert not any(leaf.requires_grad for leaf in frozen._leaves)  # the reference's prefix takes no gradient

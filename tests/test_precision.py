@@ -67,3 +67,47 @@ def test_a_run_records_what_auto_decided(tmp_path):
     assert summary["precision"] == {"rollout.dtype": "bfloat16" if native else "float32", "model.autocast": native}
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert (saved["rollout"]["dtype"], saved["model"]["autocast"]) == ("auto", "auto")
+
+
+def test_the_autocast_reference_gives_the_fp32_copys_logprobs_bit_for_bit(tiny):
+    """keel.models.frozen_reference: under bf16 autocast its Linear weights (LM head untied) are
+    stored as the bf16 values autocast would cast them to, so its log-probs equal the fp32
+    frozen copy's exactly, at half the memory of those weights; without autocast it is the copy."""
+    from keel.logprobs import token_logprobs
+
+    model, tok = tiny
+    ids = torch.randint(5, 1000, (2, 30), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    tmask = torch.ones_like(ids, dtype=torch.bool)
+    tmask[:, 0] = False
+    plain = models.frozen_copy(model)
+    ref = models.frozen_reference(model, autocast=True)
+    linears = [m for m in ref.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert ref.get_input_embeddings().weight.dtype == torch.float32 and ref.get_output_embeddings().weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for n, p in ref.named_parameters() if "norm" in n)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, _ = token_logprobs(plain, ids, attn, tmask, temperature=0.7)
+        got, _ = token_logprobs(ref, ids, attn, tmask, temperature=0.7)
+    assert torch.equal(want, got)
+    layers = lambda m: sum(p.numel() * p.element_size() for n, p in m.named_parameters() if "layers." in n and "norm" not in n)  # noqa: E731
+    assert 2 * layers(ref) == layers(plain)  # the decoder's linears at half the bytes
+    fp32 = models.frozen_reference(model, autocast=False)
+    assert all(p.dtype == torch.float32 for p in fp32.parameters()) and not any(p.requires_grad for p in fp32.parameters())
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # the policy itself is untouched
+
+
+def test_a_released_sampler_is_refilled_by_copy_weights(tiny):
+    """The sampler copy's weights are freed for the update (keel.models.release_weights) and
+    copy_weights allocates and fills them again: the same weights as a sampler never released."""
+    model, _ = tiny
+    kept = models.frozen_copy(model, torch.bfloat16)
+    sampler = models.frozen_copy(model, torch.bfloat16)
+    models.release_weights(sampler, model)
+    assert all(p.numel() == 0 for p in sampler.parameters())
+    models.copy_weights(sampler, model)
+    models.copy_weights(kept, model)
+    for (n, a), (_, b) in zip(sampler.named_parameters(), kept.named_parameters()):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), n
+    models.release_weights(model, model)  # one model: nothing is freed
+    assert all(p.numel() > 0 for p in model.parameters())
