@@ -335,7 +335,8 @@ def frozen_reference(model, autocast: bool):
     the reference's weights take no gradient and autocast caches no cast of them. Embeddings and
     norms keep their dtype, so under autocast its forward equals the fp32 copy's bit for bit
     (tests/test_precision.py) with half the memory of its decoder's linears (SmolLM2: 212 MB
-    less, 56 MB more for the untied head; measured 150 MB) and no per-call casts. Without autocast, or for weights that are not fp32, the plain copy."""
+    less, 56 MB more for the untied head; measured 150 MB) and no per-call casts. Without
+    autocast, or for weights that are not fp32, the plain copy."""
     out = frozen_copy(model)
     if not autocast or next(model.parameters()).dtype != torch.float32:
         return out
