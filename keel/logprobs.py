@@ -136,6 +136,7 @@ def training_attention(body):
         config._attn_implementation = before
 
 
+PREFIX_SEGMENT = 192  # positions of the shared prefix whose graph `SharedPrefix.backward` holds at once
 MIN_SHARED_PREFIX = 32  # below this, encoding the prefix separately saves less than it costs
 
 
@@ -203,14 +204,18 @@ class SharedPrefix:
     Within one micro-batch `_hidden_states` already encodes the rows' common prefix once; when
     the token cap splits an update into several micro-batches, each would encode it again (the
     560-token system block of the KG task is ~25% of a 2,048-position micro-batch). Here the
-    prefix is run once with gradients; micro-batches attend to detached leaf copies of its keys,
+    prefix is encoded once without gradients; micro-batches attend to leaf copies of its keys,
     values and hidden states, whose gradients accumulate over the micro-batches, and
-    `backward()` then sends them through the prefix graph once. The weight gradients are the
-    sum of what each micro-batch's own prefix would have given (tests/test_logprobs.py).
-    Not used with gradient checkpointing (HF drops the cache inside checkpointed layers).
+    `backward()` then encodes the prefix again with gradients, `segment` positions at a time from
+    the last segment back (each segment attends to the stored keys and values before it as
+    leaves, whose gradients join the earlier segments'), so only one segment's graph is alive
+    at a time. The weight gradients are the sum of what each micro-batch's own prefix would
+    have given (tests/test_logprobs.py). Not used with gradient checkpointing (HF drops the
+    cache inside checkpointed layers).
     """
 
-    def __init__(self, model, ids: list[int]):
+    def __init__(self, model, ids: list[int], segment: int = 0):
+        self.segment = segment or PREFIX_SEGMENT
         self._body = getattr(model, model.base_model_prefix)
         device = next(model.parameters()).device
         self.ids = torch.tensor(ids, device=device)
@@ -238,27 +243,48 @@ class SharedPrefix:
             cache.update(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1), layer)
         return hidden.expand(batch, -1, -1), cache
 
-    def _encode(self) -> list[torch.Tensor]:
-        """[last hidden state, keys and values of every layer] of the prefix (one row)."""
+    def _encode(self, start: int = 0, end: int | None = None, past: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """[last hidden state, keys and values of every layer] of prefix positions [start, end)
+        (one row), attending to `past` (keys and values of every layer for [0, start))."""
+        from transformers import DynamicCache
+
+        end = len(self) if end is None else end
+        cache = DynamicCache()
+        for layer in range(len(past or []) // 2):
+            cache.update(past[2 * layer], past[2 * layer + 1], layer)
+        positions = torch.arange(start, end, device=self.ids.device)[None]
         with training_attention(self._body):
-            out = self._body(input_ids=self.ids[None], use_cache=True)
-        return [out.last_hidden_state] + [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+            out = self._body(input_ids=self.ids[None, start:end], position_ids=positions, past_key_values=cache, use_cache=True)
+        return [out.last_hidden_state] + [t[:, :, start:] for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
 
     def backward(self) -> None:
         """Back-propagate the gradients the micro-batches left on the leaves through the prefix:
         the prefix is encoded again, with gradients and in the precision it was first encoded
         in (the same values), and its graph is freed at once. Holding the first encoding's graph
         over the whole update instead cost ~1.1 MB per prefix position (~650 MB for the KG
-        task's system block); encoding it twice costs one forward of the prefix."""
-        pairs = [(i, leaf.grad) for i, leaf in enumerate(self._leaves) if leaf.grad is not None]
-        self._leaves = []
-        if not pairs:
+        task's system block); encoding it twice costs one forward of the prefix, and encoding it
+        in segments (the class docstring) keeps one segment's graph alive at a time."""
+        leaves, self._leaves = self._leaves, []
+        grads = [leaf.grad for leaf in leaves]
+        if all(g is None for g in grads):
             return
         device, dtype, autocast = self._autocast
-        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
-            sources = self._encode()
-        with torch.autocast(device, enabled=False):
-            torch.autograd.backward([sources[i] for i, _ in pairs], [grad for _, grad in pairs])
+        L = len(self)
+        for start in reversed(range(0, L, self.segment)):
+            end = min(start + self.segment, L)
+            past = [t[:, :, :start].detach().requires_grad_() for t in leaves[1:]] if start else None
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=autocast):
+                sources = self._encode(start, end, past)
+            pairs = [(src, g[:, start:end] if i == 0 else g[:, :, start:end])
+                     for i, (src, g) in enumerate(zip(sources, grads)) if g is not None]
+            with torch.autocast(device, enabled=False):
+                torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+            for i, t in enumerate(past or [], start=1):  # what the segment sent back to the keys and values before it
+                if t.grad is not None:
+                    if grads[i] is None:
+                        grads[i] = torch.zeros_like(leaves[i])
+                    grads[i][:, :, :start] += t.grad  # the leaves are this method's alone now: in place
+            del sources, pairs, past
 
 
 def update_prefix(model, sequences: list[list[int]], parts: list[list[int]]) -> SharedPrefix | None:

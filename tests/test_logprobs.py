@@ -266,3 +266,38 @@ def test_update_wide_prefix_keeps_no_graph_until_its_backward(tiny):
     with torch.no_grad():
         frozen = SharedPrefix(m, prefix)
     assert not any(leaf.requires_grad for leaf in frozen._leaves)  # the reference's prefix takes no gradient
+
+
+def test_the_prefix_encoded_again_in_segments_gives_the_same_gradients(tiny):
+    """SharedPrefix.backward encodes the prefix `segment` positions at a time, last segment first,
+    each attending to the stored keys and values before it as leaves: the weight gradients equal
+    those of one segment (and so, by test_update_wide_prefix_..., of every micro-batch encoding
+    the prefix itself), with targets inside the prefix too."""
+    from keel.logprobs import SharedPrefix
+
+    model, _ = tiny
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(5, 200, (40,), generator=g).tolist()
+    seqs = [prefix + torch.randint(5, 200, (n,), generator=g).tolist() for n in (6, 11)]
+    ids = torch.zeros(2, 51, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, q in enumerate(seqs):
+        ids[b, : len(q)] = torch.tensor(q)
+        attn[b, : len(q)] = 1
+    tmask = attn.bool().clone()
+    tmask[:, :41] = False
+    tmask[:, 20] = True  # a target inside the prefix: its hidden states get gradients too
+
+    def grads(segment: int):
+        m = copy.deepcopy(model).train()
+        pre = SharedPrefix(m, prefix, segment=segment)
+        lp, _ = token_logprobs(m, ids, attn, tmask, prefix=pre)
+        (lp * torch.linspace(-1, 2, lp.numel())).sum().backward()
+        pre.backward()
+        return {n: p.grad for n, p in m.named_parameters()}
+
+    whole = grads(40)
+    for segment in (16, 7):
+        got = grads(segment)
+        for n in whole:
+            assert torch.allclose(whole[n], got[n], atol=1e-5, rtol=1e-4), (segment, n)
