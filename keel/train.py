@@ -383,6 +383,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     run.scheduler.step()
     run.model.zero_grad(set_to_none=True)  # the rollout and evaluations that follow need no gradients
     copy_weights(run.sampler, run.model)
+    release_free_memory()  # the update's freed activations, before an evaluation or the next rollout allocates
     t_update = time.time() - t1
     # the structural states read <tool_call> blocks: a healthy Llama-3.1 bare-JSON call would count as full collapse
     line = rl_step_metrics(trajs, rows, groups, len(batch_tasks), stats, signal_line, sink, run.pieces, run.freq_baseline,
