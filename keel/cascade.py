@@ -21,6 +21,9 @@ devices, or when a layer has no prefix, the call goes to transformers' SDPA atte
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 NAME = "keel_cascade"
@@ -120,11 +123,29 @@ def available() -> bool:
     return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def register() -> str:
-    """Register the attention and its mask function with transformers (idempotent); returns NAME."""
+@functools.cache
+def _register(name: str, function) -> None:
+    """Register `function` with transformers as attention `name`, with SDPA's mask (once)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    return NAME
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+@contextlib.contextmanager
+def in_place_of_sdpa(config, name: str, function):
+    """Run with `function` (a transformers attention function, registered as `name`) where the
+    model's config uses SDPA; a config on another implementation (eager, flash) is left as it is.
+    Keel's two attention functions enter this way: this module's `attention` for rollouts and
+    keel.logprobs' training attention."""
+    before = config._attn_implementation
+    if before != "sdpa":
+        yield
+        return
+    _register(name, function)
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before

@@ -29,7 +29,7 @@ import torch
 from keel import metrics as M
 from keel.config import get_key, set_key
 from keel.distributed import DistContext, barrier, broadcast_object
-from keel.models import copy_weights, frozen_copy, frozen_reference, make_optimizer
+from keel.models import copy_weights, frozen_reference, make_optimizer
 from keel.rundir import atomic_write_json, swap_dir, truncate_jsonl_lines
 
 
@@ -166,10 +166,7 @@ def restore(run) -> None:
             run.lora.load_base_state(reference)
             run.ref_model = run.lora
         else:
-            fp32 = frozen_copy(run.model)
-            fp32.load_state_dict(reference, strict=False)
-            run.ref_model = frozen_reference(fp32, run.cfg.model.autocast)
-            del fp32
+            run.ref_model = frozen_reference(run.model, run.cfg.model.autocast, state=reference)
         run.optimizer, run.scheduler = make_optimizer(run.model, g.lr, g.warmup_steps, g.weight_decay, g.adam_eps)
     else:
         run.optimizer, run.scheduler = make_optimizer(run.model, run.cfg.sft.lr, run.cfg.sft.warmup_steps, 0.0, g.adam_eps)

@@ -8,12 +8,12 @@ LM head in chunks over those rows only.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
 
+from keel import cascade
 from keel.types import Source, Trajectory
 
 
@@ -95,11 +95,11 @@ def _training_sdpa(module, query, key, value, attention_mask, dropout: float = 0
       layer; the additive one is memoised on it).
     Other devices, and attention that is not plain (sliding windows, softcaps, sinks), keep
     transformers' SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = getattr(module, "num_key_value_groups", 1)
     plain = not any(kwargs.get(k) is not None for k in ("sliding_window", "softcap", "s_aux", "position_bias"))
     if query.device.type != "cpu" or not plain or query.shape[1] != key.shape[1] * groups:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     mask = attention_mask
     if mask is not None and mask.dtype == torch.bool:
@@ -116,24 +116,9 @@ def _training_sdpa(module, query, key, value, attention_mask, dropout: float = 0
     return out.transpose(1, 2).contiguous(), None
 
 
-@contextlib.contextmanager
 def training_attention(body):
     """Run `body` (a transformers decoder) with `_training_sdpa` inside, where it used SDPA."""
-    config = body.config
-    before = getattr(config, "_attn_implementation", None)
-    if before != "sdpa":
-        yield
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(TRAINING_ATTENTION, _training_sdpa)
-    AttentionMaskInterface.register(TRAINING_ATTENTION, sdpa_mask)
-    config._attn_implementation = TRAINING_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = before
+    return cascade.in_place_of_sdpa(body.config, TRAINING_ATTENTION, _training_sdpa)
 
 
 PREFIX_SEGMENT = 192  # positions of the shared prefix whose graph `SharedPrefix.backward` holds at once

@@ -328,7 +328,7 @@ def frozen_copy(model, dtype: torch.dtype | None = None):
     return out
 
 
-def frozen_reference(model, autocast: bool):
+def frozen_reference(model, autocast: bool, state: dict | None = None):
     """The KL reference: a frozen copy of `model`. For a policy that trains under bf16 autocast
     (fp32 weights), the copy's Linear weights, LM head included (untied from the embeddings),
     are stored in bf16: autocast would cast them to exactly those values on every call, since
@@ -336,8 +336,11 @@ def frozen_reference(model, autocast: bool):
     norms keep their dtype, so under autocast its forward equals the fp32 copy's bit for bit
     (tests/test_precision.py) with half the memory of its decoder's linears (SmolLM2: 212 MB
     less, 56 MB more for the untied head; measured 150 MB) and no per-call casts. Without
-    autocast, or for weights that are not fp32, the plain copy."""
+    autocast, or for weights that are not fp32, the plain copy. `state`: weights to load into the
+    copy first, in the policy's dtype (the saved reference, on resume)."""
     out = frozen_copy(model)
+    if state is not None:
+        out.load_state_dict(state, strict=False)
     if not autocast or next(model.parameters()).dtype != torch.float32:
         return out
     head = out.get_output_embeddings()

@@ -183,16 +183,11 @@ def _forward(model, input_ids, attn, positions, cache):
 @contextlib.contextmanager
 def _cascade_attention(model, enabled: bool):
     """Run the model with keel.cascade's attention (shared prefix stored and read once) inside."""
-    config = model.config
-    before = config._attn_implementation
-    if not enabled or before != "sdpa" or not cascade.available():  # eager/flash implementations are left as they are
+    if not enabled or not cascade.available():
         yield
         return
-    config._attn_implementation = cascade.register()
-    try:
+    with cascade.in_place_of_sdpa(model.config, cascade.NAME, cascade.attention):  # eager/flash are left as they are
         yield
-    finally:
-        config._attn_implementation = before
 
 
 def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, object, torch.Tensor]:

@@ -111,3 +111,21 @@ def test_a_released_sampler_is_refilled_by_copy_weights(tiny):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b), n
     models.release_weights(model, model)  # one model: nothing is freed
     assert all(p.numel() > 0 for p in model.parameters())
+
+
+def test_the_reference_rebuilt_on_resume_loads_the_saved_weights_before_untying_its_head(tiny):
+    """On resume (keel.checkpoint.restore) the reference is the saved state loaded into a copy of
+    the current policy, then made the autocast reference: its untied bf16 head must come from
+    the saved embeddings, not from the policy's current ones."""
+    import copy
+
+    model, _ = tiny
+    saved = copy.deepcopy(model)
+    policy = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.5)  # the policy moved on after the reference was saved
+    rebuilt = models.frozen_reference(policy, autocast=True, state=saved.state_dict())
+    want = models.frozen_reference(saved, autocast=True)
+    for (n, a), (_, b) in zip(rebuilt.named_parameters(), want.named_parameters()):
+        assert a.dtype == b.dtype and torch.equal(a, b), n
