@@ -29,6 +29,11 @@ class Batch:
     advantages: torch.Tensor
     sources: torch.Tensor  # [B, T] keel.types.Source of each kept token (-1 on padding)
 
+    def to(self, device: torch.device | str) -> "Batch":
+        """The same batch on `device` (collate builds it on the CPU; the model may be on a GPU)."""
+        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.target_mask, self.old_logprobs,
+                                               self.advantages, self.sources)))
+
 
 def kept_positions(sources: list[int], drop_sources: tuple[int, ...] = (Source.HINT,)) -> list[int]:
     """Positions of the tokens a trained sequence keeps (hints are dropped, see `collate`)."""

@@ -98,6 +98,7 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
     if not members and not extra_losses:
         return stats
     model.train()
+    device = next(model.parameters()).device
     optimizer.zero_grad(set_to_none=True)
     counts = [sum(1 for s in trajectories[i].sources[1:] if s in train_sources) for i in members]
     num_tokens = sum(counts)
@@ -114,7 +115,8 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
                 ref_prefix = update_prefix(ref_net, kept, parts)
         for part in parts:
             idx = [members[j] for j in part]
-            batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id, advantages=[float(advantages[i]) for i in idx])
+            batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id,
+                            advantages=[float(advantages[i]) for i in idx]).to(device)
             logp, ent = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.target_mask, temperature, with_entropy=True,
                                        prefix=prefix)
             if ref_net is None:
@@ -125,7 +127,7 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
             # Expert tokens (off-policy supervision) were not sampled, and the caller's rows were
             # sampled by other weights or context: their "old" log-prob is the current policy's,
             # taken before the update (ratio 1 at this step, as in paper A).
-            rows_from_policy = torch.tensor([old_from_policy is not None and bool(old_from_policy[i]) for i in idx])  # [B]
+            rows_from_policy = torch.tensor([old_from_policy is not None and bool(old_from_policy[i]) for i in idx], device=device)  # [B]
             from_policy = (batch.sources == Source.EXPERT) | rows_from_policy[:, None]  # [B, T]
             old = torch.where(from_policy[batch.target_mask], logp.detach(), batch.old_logprobs[batch.target_mask])
             adv = batch.advantages[batch.target_mask]
