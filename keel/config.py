@@ -203,6 +203,9 @@ class KLSpikeConfig:
     # With the defaults a spike must exceed the median by at least 6 × 10% = 60% of it (paper A's spikes are several-fold).
     min_relative_scale: float = doc(0.1, "floor on the noise scale as a fraction of |median|, so a flat series (MAD ≈ 0) does not turn a small wiggle into a huge z")
     min_control_share: float = doc(0.2, "kl/control_share spikes count only when the share itself is at least this")
+    # On healthy runs a tag's KL sits near 0 and moves from 1e-8 to 1e-3–0.02 nats (z in the
+    # thousands against a median of ~0); the collapses seen carried 0.6–1.2 (docs/RESULTS.md).
+    min_tag_kl: float = doc(0.05, "kl/tag/<tag> spikes count only when the tag's per-token KL (nats) is at least this, so a tag whose KL rises from ~0 to a few thousandths is not an alarm")
     action: str = doc("warn", ACTION_HELP)
     on_rollback: dict[str, str] = doc({"grpo.kl_coef": "x5"}, ROLLBACK_HELP)
 

@@ -159,3 +159,38 @@ def test_replay_of_a_committed_collapse_raises_the_cliff_where_the_fixed_loop_wo
     alerts = module.replay(repo / "results" / "issue12" / "composition-lr6e-5-collapsed", [])
     cliffs = [a for a in alerts if a["kind"] == "cliff"]
     assert [(a["step"], a["evidence"]["peak"], a["evidence"]["peak_step"], a["evidence"]["eval/em"]) for a in cliffs] == [(26, 0.48, 20, 0.0)]
+
+
+def test_a_tag_whose_kl_rises_from_nothing_to_thousandths_is_not_a_spike():
+    # A healthy run: a tag's KL sits at ~1e-8 nats and rises to 0.02 — a robust z of millions
+    # against a median of ~0, and no collapse. Only the floor min_tag_kl (0.05) keeps it quiet.
+    lines = [{"step": s, "kl/tag/<answer>": 1e-8 * (1 + s % 3)} for s in range(12)] + [{"step": 12, "kl/tag/<answer>": 0.02}]
+    assert run(lines) == []
+    cfg = DetectorConfig()
+    cfg.kl_spike.min_tag_kl = 0.0
+    alerts = run(lines, Detectors(cfg))
+    assert [(a.kind, a.step) for a in alerts] == [("kl_spike", 12)] and alerts[0].evidence["series"]["kl/tag/<answer>"]["robust_z"] > 1e5
+
+
+def _replayed_kl_spikes(run_name: str, overrides: list[str]) -> list[int]:
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("replay_detectors", repo / "scripts" / "replay_detectors.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [a["step"] for a in module.replay(repo / "results" / run_name, overrides) if a["kind"] == "kl_spike"]
+
+
+@pytest.mark.parametrize("run_name, overrides, before, after", [
+    # healthy SFT → GRPO runs (dev EM 0.48 → 0.98): alerts on <answer>, </answer>, <tool_call> at
+    # 1e-8 – 0.02 nats without the floor, none with it
+    ("paperA-kg/kg_sft_grpo-s0", [], [19, 20], []),
+    ("main/main-seg-s0", ["detectors.kl_spike.min_history=4"], [13, 14, 16], []),
+    # the R-selfV collapse: <answer> 1.21 nats/token against a median of 0.019, kept
+    ("ladder/ladder_r_selfv-s0", [], [4, 7], [4]),
+])
+def test_kl_spike_floor_on_committed_runs(run_name, overrides, before, after):
+    assert _replayed_kl_spikes(run_name, overrides + ["detectors.kl_spike.min_tag_kl=0"]) == before
+    assert _replayed_kl_spikes(run_name, overrides) == after

@@ -144,7 +144,7 @@ class Detectors:
                 mad = statistics.median(abs(v - med) for v in history)
                 scale = max(MAD_TO_SIGMA * mad, cfg.min_relative_scale * abs(med), 1e-12)
                 z = (x - med) / scale
-                condition = z >= cfg.z and (key != KL_CONTROL_SHARE or x >= cfg.min_control_share)
+                condition = z >= cfg.z and x >= (cfg.min_control_share if key == KL_CONTROL_SHARE else cfg.min_tag_kl)
             if self._fire("kl_spike:" + key, condition):
                 spikes[key] = {"value": x, "median": med, "robust_z": round(z, 2)}
             self._push(key, step, x, cfg.window)
