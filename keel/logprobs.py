@@ -8,7 +8,7 @@ LM head in chunks over those rows only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.utils.checkpoint
@@ -31,8 +31,7 @@ class Batch:
 
     def to(self, device: torch.device | str) -> "Batch":
         """The same batch on `device` (collate builds it on the CPU; the model may be on a GPU)."""
-        return Batch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.target_mask, self.old_logprobs,
-                                               self.advantages, self.sources)))
+        return Batch(*(getattr(self, f.name).to(device) for f in fields(self)))
 
 
 def kept_positions(sources: list[int], drop_sources: tuple[int, ...] = (Source.HINT,)) -> list[int]:

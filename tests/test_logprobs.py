@@ -301,3 +301,20 @@ def test_the_prefix_encoded_again_in_segments_gives_the_same_gradients(tiny):
         got = grads(segment)
         for n in whole:
             assert torch.allclose(whole[n], got[n], atol=1e-5, rtol=1e-4), (segment, n)
+
+
+def test_batch_to_moves_every_field():
+    # grpo_update moves each collated micro-batch to the model's device (a CUDA model got CPU
+    # tensors before, found on the device tool's H200); on CPU the move keeps every value
+    from dataclasses import fields
+
+    from keel.logprobs import Batch, collate
+    from keel.types import Source, Trajectory
+
+    tr = Trajectory(task_id="t", token_ids=[5, 6, 7, 8], sources=[Source.PROMPT, Source.POLICY, Source.TOOL, Source.POLICY], logprobs=[0.0, -0.5, 0.0, -1.5])
+    batch = collate([tr], advantages=[2.0])
+    moved = batch.to("cpu")
+    assert [f.name for f in fields(Batch)] == ["input_ids", "attention_mask", "target_mask", "old_logprobs", "advantages", "sources"]
+    for f in fields(Batch):
+        assert torch.equal(getattr(moved, f.name), getattr(batch, f.name)), f.name
+    assert moved.old_logprobs.tolist() == [[0.0, -0.5, 0.0, -1.5]] and moved.target_mask.tolist() == [[False, True, False, True]]
