@@ -146,9 +146,8 @@ def test_bad_config_and_garbage_values():
     assert det.update(0, {"step": 0, "eval/em": float("nan"), "reward/mean": "x", "tools/per_question": None}) == []
 
 
-def test_replay_of_a_committed_collapse_raises_the_cliff_where_the_fixed_loop_would():
-    # results/issue12/composition-lr6e-5-collapsed: post-SFT eval at step 20 (EM 0.48), 6 RL steps,
-    # final eval at step 26 (EM 0.00). Fed the post-SFT eval first, the cliff fires at 26.
+def _replay(run_name: str, overrides: list[str]) -> list[dict]:
+    """scripts/replay_detectors.py's alerts for the committed run results/<run_name>."""
     import importlib.util
     from pathlib import Path
 
@@ -156,7 +155,13 @@ def test_replay_of_a_committed_collapse_raises_the_cliff_where_the_fixed_loop_wo
     spec = importlib.util.spec_from_file_location("replay_detectors", repo / "scripts" / "replay_detectors.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    alerts = module.replay(repo / "results" / "issue12" / "composition-lr6e-5-collapsed", [])
+    return module.replay(repo / "results" / run_name, overrides)
+
+
+def test_replay_of_a_committed_collapse_raises_the_cliff_where_the_fixed_loop_would():
+    # results/issue12/composition-lr6e-5-collapsed: post-SFT eval at step 20 (EM 0.48), 6 RL steps,
+    # final eval at step 26 (EM 0.00). Fed the post-SFT eval first, the cliff fires at 26.
+    alerts = _replay("issue12/composition-lr6e-5-collapsed", [])
     cliffs = [a for a in alerts if a["kind"] == "cliff"]
     assert [(a["step"], a["evidence"]["peak"], a["evidence"]["peak_step"], a["evidence"]["eval/em"]) for a in cliffs] == [(26, 0.48, 20, 0.0)]
 
@@ -172,17 +177,6 @@ def test_a_tag_whose_kl_rises_from_nothing_to_thousandths_is_not_a_spike():
     assert [(a.kind, a.step) for a in alerts] == [("kl_spike", 12)] and alerts[0].evidence["series"]["kl/tag/<answer>"]["robust_z"] > 1e5
 
 
-def _replayed_kl_spikes(run_name: str, overrides: list[str]) -> list[int]:
-    import importlib.util
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("replay_detectors", repo / "scripts" / "replay_detectors.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return [a["step"] for a in module.replay(repo / "results" / run_name, overrides) if a["kind"] == "kl_spike"]
-
-
 @pytest.mark.parametrize("run_name, overrides, before, after", [
     # healthy SFT → GRPO runs (dev EM 0.48 → 0.98): alerts on <answer>, </answer>, <tool_call> at
     # 1e-8 – 0.02 nats without the floor, none with it
@@ -192,5 +186,8 @@ def _replayed_kl_spikes(run_name: str, overrides: list[str]) -> list[int]:
     ("ladder/ladder_r_selfv-s0", [], [4, 7], [4]),
 ])
 def test_kl_spike_floor_on_committed_runs(run_name, overrides, before, after):
-    assert _replayed_kl_spikes(run_name, overrides + ["detectors.kl_spike.min_tag_kl=0"]) == before
-    assert _replayed_kl_spikes(run_name, overrides) == after
+    def spikes(more):
+        return [a["step"] for a in _replay(run_name, overrides + more) if a["kind"] == "kl_spike"]
+
+    assert spikes(["detectors.kl_spike.min_tag_kl=0"]) == before
+    assert spikes([]) == after
