@@ -296,3 +296,26 @@ def test_kl_on_control_tokens_while_em_rises_is_not_a_collapse(tmp_path):
     # The same KL history with EM falling 0.3 → 0.15 (≥ 0.1 below the peak) is paper A's collapse.
     falling = history(share=lambda s: 0.12 if s < 200 else 0.8, em=lambda s: 0.3 if s < 200 else 0.15)
     assert diagnose(write_run(tmp_path / "falling", falling))["mode"] == "control_token_collapse"
+
+
+def test_em_at_zero_with_calls_and_answers_intact_is_not_mode_1(tmp_path):
+    # results/claim1/main-lr4e-5-16steps-s0: one update took EM 0.48 → 0; the policy still makes two
+    # calls and answers every question (with the relation name it read); no group had a mixed
+    # reward after it, so the updates trained nothing and logged entropy 0.0 (not a measurement).
+    def lines(answered):
+        out = [{"step": 8, "phase": "eval", "eval/em": 0.48, "eval/tools_per_question": 2.0, "eval/answered": 1.0}]
+        for s in range(9, 25):
+            out.append({"step": s, "phase": "rl", "loss/trained_members": 16.0 if s == 9 else 0.0, "tokens/entropy": 0.0148 if s == 9 else 0.0,
+                        "tools/per_question": 2.0})
+            if s % 2 == 0:
+                out.append({"step": s, "phase": "eval", "eval/em": 0.0, "eval/tools_per_question": 2.0, "eval/answered": answered})
+        return out
+
+    d = diagnose(write_run(tmp_path / "answers", lines(answered=1.0)))
+    assert d["mode"] == "unnamed_collapse"
+    assert d["evidence"]["scores"]["sparse_format_collapse"]["qualifies"] is False
+    # the same run whose answers vanished is mode 1
+    d = diagnose(write_run(tmp_path / "silent", lines(answered=0.04)))
+    assert d["mode"] == "sparse_format_collapse"
+    entropy = next(s for s in d["evidence"]["signals"] if s["signal"].startswith("entropy"))
+    assert entropy["value"] == 1.0 and entropy["satisfied"] is False  # the untrained steps' 0.0 left out

@@ -12,9 +12,10 @@ Inputs, all optional and read tolerantly (a torn or garbage line is skipped and 
 "Late" / "early" values are means over the last / first 20% of logged points.
 
 Required signals per mode (the others add to the score):
-- sparse_format_collapse: late EM ≤ 0.02 and EM never rose ≥ 0.05 above the run's first eval
-  (scored: tools/question ≤ 0.1, answered share ≤ 0.5 — paper B's table: "`<answer>`
-  disappears, EM 0", its text: "no tool calls" —, entropy halved);
+- sparse_format_collapse: late EM ≤ 0.02, EM never rose ≥ 0.05 above the run's first eval, and,
+  where both were measured, one of its faces: tools/question ≤ 0.1 or answered share ≤ 0.5
+  (paper B's table: "`<answer>` disappears, EM 0", its text: "no tool calls"; each scored, with
+  entropy halved — steps whose update trained no token carry no entropy);
 - ritual: late tools/question in (0.5, 1.5] and late EM ≥ 0.05 (scored: CvT ≤ 0.01, tool lift
   ≈ 0, one verb ≥ 90% of calls);
 - format_drift: late `collapse/format_drift` (or the samples' share) ≥ 0.2, or, where no drift
@@ -57,6 +58,7 @@ from keel.metrics import (
     EVAL_TOOL_LIFT,
     EVAL_TOOLS_PER_QUESTION,
     KL_CONTROL_SHARE,
+    LOSS_TRAINED_MEMBERS,
     TOKENS_ENTROPY,
     TOKENS_TAG_BALANCE,
     TOOLS_PER_QUESTION,
@@ -223,7 +225,9 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     em = run.series(EVAL_EM)
     tools_eval = run.series(EVAL_TOOLS_PER_QUESTION)
     tools = tools_eval or run.series(TOOLS_PER_QUESTION)
-    entropy = run.series(TOKENS_ENTROPY)
+    # a step whose update trained no token writes entropy 0.0 (keel.diagnostics.step_metrics): not a measurement
+    untrained = {step for step, n in run.series(LOSS_TRAINED_MEMBERS) if n == 0}
+    entropy = [(step, v) for step, v in run.series(TOKENS_ENTROPY) if step not in untrained]
     late_samples = run.samples[max(run.samples)] if run.samples else []
     early_samples = run.samples[min(run.samples)] if run.samples else []
     facts = _sample_facts(late_samples) if late_samples else None
@@ -243,7 +247,11 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     # Mode 1 is the policy that never found the reward: EM ends at ≈ 0 and never rose above where
     # the run started. Paper B's table: "<answer> disappears, EM 0"; its text: "no tool calls,
     # low-entropy output, EM 0" — either face, scored.
+    # Where both faces were measured one must show: EM at 0 with calls and answers both intact
+    # is a policy answering wrongly (results/claim1/main-lr4e-5-16steps-s0), not this mode.
+    both_known = no_calls is not None and answer_gone is not None
     out["sparse_format_collapse"] = [
+        _signal("no calls or no answers", None, (no_calls or answer_gone) if both_known else None, 0, required=both_known),
         _signal("tools/question ≈ 0 (≤ 0.1)", _rounded(late_tools), no_calls, 2),
         _signal("EM ≈ 0 (≤ 0.02)", _rounded(late_em), None if late_em is None else late_em <= 0.02, 2, True),
         _signal("EM never rose above its first eval (+0.05)", None if rose is None else not rose, None if rose is None else not rose, 0, True),
