@@ -24,7 +24,7 @@ if [[ -n "${KEEL_WHEELS:-}" ]]; then
 fi
 export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-keel() { python3 -c 'import sys; from keel.cli import main; sys.exit(main(sys.argv[1:]))' "$@"; }
+keel=(python3 -c 'import sys; from keel.cli import main; sys.exit(main(sys.argv[1:]))')  # Keel's CLI, not installed there
 
 python3 - <<'EOF'
 import sys, torch, transformers
@@ -39,7 +39,7 @@ EOF
 
 case "$stage" in
 smoke)
-    keel train configs/main.yaml --smoke --set model.device="$device" --set run.progress=false --out "$out/smoke-cuda" 2>&1 | tail -25
+    "${keel[@]}" train configs/main.yaml --smoke --set model.device="$device" --set run.progress=false --out "$out/smoke-cuda" 2>&1 | tail -25
     python3 -c "import json,sys; s=json.load(open(sys.argv[1])); print({k: v for k, v in s.items() if k.startswith(('time/', 'mem/', 'rl_lift/', 'eval/'))})" "$out/smoke-cuda/summary.json"
     rm -rf "$out/smoke-cuda/checkpoints"
     ;;
@@ -58,7 +58,7 @@ main)
         fi
         t0=$SECONDS
         limit=$(( ${TIME_LEFT_S:-86400} - (SECONDS - start) - 20 ))  # leave time to pack what ran
-        timeout "$limit" python3 -c 'import sys; from keel.cli import main; sys.exit(main(sys.argv[1:]))' train configs/main.yaml --set model.device="$device" --set run.seed="$s" --set run.progress=false \
+        timeout "$limit" "${keel[@]}" train configs/main.yaml --set model.device="$device" --set run.seed="$s" --set run.progress=false \
             --out "$out/main-cuda-s$s" ${KEEL_EXTRA:-} >"$out/main-cuda-s$s.console.txt" 2>&1 || echo "seed $s failed (exit $?)"
         echo "seed $s: wall $((SECONDS - t0)) s"
         tail -4 "$out/main-cuda-s$s.console.txt"

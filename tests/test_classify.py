@@ -299,7 +299,7 @@ def test_kl_on_control_tokens_while_em_rises_is_not_a_collapse(tmp_path):
 
 
 def test_em_at_zero_with_calls_and_answers_intact_is_not_mode_1(tmp_path):
-    # results/claim1/main-lr4e-5-16steps-s0: one update took EM 0.48 → 0; the policy still makes two
+    # results/claim1/claim1-lr4e-5-s0: one update took EM 0.48 → 0; the policy still makes two
     # calls and answers every question (with the relation name it read); no group had a mixed
     # reward after it, so the updates trained nothing and logged entropy 0.0 (not a measurement).
     def lines(answered):

@@ -248,7 +248,7 @@ def _signals(run: RunData) -> tuple[dict[str, list[dict[str, Any]]], dict[str, A
     # the run started. Paper B's table: "<answer> disappears, EM 0"; its text: "no tool calls,
     # low-entropy output, EM 0" — either face, scored.
     # Where both faces were measured one must show: EM at 0 with calls and answers both intact
-    # is a policy answering wrongly (results/claim1/main-lr4e-5-16steps-s0), not this mode.
+    # is a policy answering wrongly (results/claim1/claim1-lr4e-5-s0), not this mode.
     both_known = no_calls is not None and answer_gone is not None
     out["sparse_format_collapse"] = [
         _signal("no calls or no answers", None, (no_calls or answer_gone) if both_known else None, 0, required=both_known),
