@@ -103,6 +103,22 @@ def test_entropy_format_drift_and_proxy_gaming():
     assert len(run(lines)) == 3
 
 
+def test_entropy_of_an_update_that_trained_nothing_is_no_level():
+    """An RL step whose groups all had equal rewards trains no member, and step_metrics logs its
+    tokens/entropy as 0.0 (no token measured). Ten trained steps at 1.2, then 0.0 at steps that
+    trained nothing: no entropy collapse. The same 0.0s as trained steps: the 5-step median (steps 8–12) is 0
+    at step 12 (< 0.3 × 1.2), so it fires there. Steps that train nothing are also left out of
+    the early level: with the first ten steps untrained, the early level is the next ten's."""
+    trained = [{"step": s, "tokens/entropy": 1.2, "loss/trained_members": 8} for s in range(10)]
+    untrained = [{"step": s, "tokens/entropy": 0.0, "loss/trained_members": 0} for s in range(10, 30)]
+    assert run(trained + untrained) == []
+    as_trained = [{**line, "loss/trained_members": 3} for line in untrained]
+    assert [(a.kind, a.step) for a in run(trained + as_trained)] == [("entropy", 12)]
+    late = [{"step": 10 + s, "tokens/entropy": 0.2 if s >= 10 else 1.0, "loss/trained_members": 4} for s in range(20)]
+    alerts = run([{**line, "step": s} for s, line in enumerate(untrained[:10])] + late)
+    assert [(a.kind, a.step, a.evidence["early_level"]) for a in alerts] == [("entropy", 22, 1.0)]
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_silent_on_healthy_noisy_plateau(seed):
     rng = random.Random(seed)

@@ -28,6 +28,7 @@ from keel.metrics import (
     EVAL_TOOLS_PER_QUESTION,
     KL_CONTROL_SHARE,
     KL_TAG_PREFIX,
+    LOSS_TRAINED_MEMBERS,
     REWARD_MEAN,
     TOKENS_ENTROPY,
     TOOLS_PER_QUESTION,
@@ -119,7 +120,8 @@ class Detectors:
             alerts += self._cliff(step, values)
         if c.call_volume.enabled:
             alerts += self._call_volume(step, values)
-        if c.entropy.enabled and TOKENS_ENTROPY in values:
+        # a step whose update trained no member measured no token: its logged entropy 0.0 is no level
+        if c.entropy.enabled and TOKENS_ENTROPY in values and values.get(LOSS_TRAINED_MEMBERS) != 0:
             alerts += self._entropy(step, values[TOKENS_ENTROPY])
         if c.format_drift.enabled and COLLAPSE_FORMAT_DRIFT in values:
             alerts += self._format_drift(step, values[COLLAPSE_FORMAT_DRIFT])
