@@ -451,7 +451,7 @@ def _config_eval(args, out: Path) -> dict:
             elif kind == "fc_learn":
                 from keel.fc.policies import make_oracle, null_policy as fc_null
 
-                policy = make_oracle("json") if args.policy == "oracle" else fc_null
+                policy = make_oracle(cfg.env.call_format) if args.policy == "oracle" else fc_null
             elif kind == "kg":
                 from keel.kg.oracle import null_policy, oracle_policy
 
@@ -479,7 +479,9 @@ def _config_eval(args, out: Path) -> dict:
         from keel.endpoint import request_errors
 
         summary = {**means, "n": len(rows), "policy": args.policy, "config": str(args.config), "env": kind, "split": args.split,
-                   "request_errors": request_errors(rows)}
+                   "request_errors": request_errors(rows), "em_by_kind": em_by_kind(tasks, rows)}
+        if kind == "fc_learn":
+            summary["call_format"] = cfg.env.call_format
         if kind == "kg":
             from keel.diagnostics.errors import decompose_errors
 
@@ -490,6 +492,16 @@ def _config_eval(args, out: Path) -> dict:
         return summary
     finally:
         close_env(env)
+
+
+def em_by_kind(tasks, rows) -> dict[str, dict[str, float]]:
+    """Mean EM and count per task kind (a KG question kind, fc_learn_math / fc_learn_fs, ...):
+    with data.fc_train_classes, the kinds left out of training are the content-OOD part of dev."""
+    kind_of = {t.id: t.kind for t in tasks}
+    ems: dict[str, list[float]] = {}
+    for r in rows:
+        ems.setdefault(kind_of.get(r["task_id"], ""), []).append(float(r["em"]))
+    return {k: {"em": sum(v) / len(v), "n": len(v)} for k, v in sorted(ems.items())}
 
 
 def _endpoint(args, tools_for):

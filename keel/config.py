@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import yaml
 
 from keel.errors import UserError
+from keel.fc.parse import CALL_FORMATS
 
 
 
@@ -76,6 +77,7 @@ class DataConfig:
     train: str = doc("", "source=files: training questions (Keel JSONL, CWQ, PathQuestion, MetaQA); source=jsonl: your tasks, one JSON object a line")
     dev: str = doc("", "source=files/jsonl: dev questions; empty = a tenth of train, held out (shuffled with data.seed)")
     format: str = doc("auto", "question file format: auto | keel | cwq | pathquestion | metaqa")
+    fc_train_classes: list[str] = doc([], "env.kind=fc_learn: the API classes training tasks may touch (MathAPI, GorillaFileSystem); empty: both. Dev keeps both, so a class left out is content-OOD (`keel eval --config` reports em by task kind)")
 
 
 @dataclass
@@ -110,6 +112,7 @@ class EnvConfig(KGEnvConfig):
     instructions: str = doc("", "kind=tools/mcp: the system instructions (empty: Keel's default: use the tools, finish with <answer>...</answer>; a task's own system message wins)")
     call_timeout_s: float = doc(10.0, "kind=tools/mcp: seconds one call may take; then its answer is a TimeoutError (MCP: the server is restarted)")
     max_output_chars: int = doc(2000, "kind=tools/mcp: a tool answer longer than this is cut (with a count of what was cut)")
+    call_format: str = doc("json", "kind=fc_learn: how calls are written, in the prompt, the parser and the gold trajectories: json (Hermes <tool_call> JSON) | python ([f(a=1)], BFCL's own prompt) | python_tagged; paper A's format-OOD axis: train in one, evaluate in another (`keel eval --config PRESET --set env.call_format=python`)")
 
 
 @dataclass
@@ -728,6 +731,9 @@ def validate(cfg: Config) -> None:
         (not unknown_templates, f"data.templates: {unknown_templates} are not templates of data.kinds {kinds} (keel.config.QUESTION_TEMPLATES)"),
         (not outside_rl, f"data.rl_templates: {outside_rl} are not among data.templates {cfg.data.templates or sorted(known)}"),
         (not cfg.data.rl_templates or cfg.env.kind == "kg", f"data.rl_templates selects knowledge-graph question templates; env.kind={cfg.env.kind} has none"),
+        (cfg.env.call_format in CALL_FORMATS, f"env.call_format must be one of {', '.join(CALL_FORMATS)}, got {cfg.env.call_format!r}"),
+        (cfg.env.call_format == "json" or cfg.env.kind == "fc_learn", f"env.call_format={cfg.env.call_format} is for env.kind=fc_learn; env.kind={cfg.env.kind} writes calls as Hermes JSON"),
+        (not cfg.data.fc_train_classes or cfg.env.kind == "fc_learn", f"data.fc_train_classes selects fc_learn's API classes; env.kind={cfg.env.kind} has none"),
         (cfg.data.max_hops >= 0, "data.max_hops must be ≥ 0 (0: no limit)"),
         (0.0 <= cfg.data.nationality_from_birth <= 1.0, "data.nationality_from_birth must be in [0, 1]"),
         (cfg.grpo.steps >= 0 and cfg.sft.steps >= 0, "grpo.steps and sft.steps must be ≥ 0"),

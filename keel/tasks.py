@@ -127,11 +127,17 @@ def rl_pool(cfg: Config, tasks: list[Task], which: str) -> list[Task]:
 def _build_fc_learn(cfg: Config) -> tuple[Env, list[Task], list[Task]]:
     """Paper A's setting at CPU scale: seeded templated requests over BFCL's own simulators
     (keel.fc.learnable), scored by BFCL's multi-turn checker (reward fc_binary)."""
-    from keel.fc.learnable import LearnableEnv, generate_tasks
+    from keel.fc.learnable import KIND_CLASSES, LearnableEnv, generate_tasks
 
     d = cfg.data
+    unknown = sorted(set(d.fc_train_classes) - set(KIND_CLASSES.values()))
+    if unknown:
+        raise DataError(f"data.fc_train_classes: {unknown} are not fc_learn classes (known: {', '.join(KIND_CLASSES.values())})")
     tasks = generate_tasks(d.n_train + d.n_dev, seed=d.seed)
-    return LearnableEnv(), tasks[: d.n_train], tasks[d.n_train :]
+    train, dev = tasks[: d.n_train], tasks[d.n_train :]
+    if d.fc_train_classes:  # the classes left out stay in dev only: its content-OOD part
+        train = [t for t in train if set(t.meta["involved_classes"]) <= set(d.fc_train_classes)]
+    return LearnableEnv(cfg.env.call_format), train, dev
 
 
 def tools_env(cfg: Config) -> Env:

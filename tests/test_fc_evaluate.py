@@ -85,3 +85,34 @@ def test_learnable_second_turn_needs_the_first_result():
 def test_evaluate_fc_learn_oracle(tmp_path):
     s = evaluate_fc("fc_learn", "oracle", limit=20, out_dir=tmp_path)
     assert s["accuracy/fc_learn_math"] == 1.0 and s["accuracy/fc_learn_fs"] == 1.0
+
+
+def test_fc_learn_train_classes_and_call_format_from_the_config():
+    """Paper A's claim 3 axes from a preset: data.fc_train_classes keeps the training tasks to
+    some classes and leaves dev whole (the rest is content-OOD); env.call_format writes the
+    prompt, the parser and the gold trajectories in another format (format-OOD)."""
+    from keel import tasks as task_builder
+    from keel.config import ConfigError, load_config
+    from keel.sft import gold_texts
+
+    base = load_config("configs/fc_smoke.yaml")
+    env, train, dev = task_builder.build(base, None)
+    assert (len(train), [t.kind for t in dev], env.call_format) == (16, ["fc_learn_math", "fc_learn_fs"] * 2, "json")
+
+    cfg = load_config("configs/fc_smoke.yaml", ["data.fc_train_classes=[MathAPI]", "env.call_format=python"])
+    env, train, dev = task_builder.build(cfg, None)
+    # generate_tasks alternates math and fs: 8 of the first 16 are math; dev is the same 4 tasks
+    assert [t.id for t in train] == [t.id for t in task_builder.build(base, None)[1] if t.kind == "fc_learn_math"] and len(train) == 8
+    assert [t.kind for t in dev] == ["fc_learn_math", "fc_learn_fs"] * 2 and env.call_format == "python"
+    call = train[0].gold_turns[0][0]
+    assert gold_texts(train[0], env)[0] == f"[{call['name']}(a={call['arguments']['a']}, b={call['arguments']['b']})]"
+    assert all(run_fc_episode(env, t, make_oracle("python"), 20)[1]["checker_valid"] for t in dev)
+
+    with pytest.raises(task_builder.DataError, match=r"data.fc_train_classes: \['TravelAPI'\] are not fc_learn classes \(known: MathAPI, GorillaFileSystem\)"):
+        task_builder.build(load_config("configs/fc_smoke.yaml", ["data.fc_train_classes=[TravelAPI]"]), None)
+    with pytest.raises(ConfigError, match="env.call_format must be one of json, python, python_tagged, got 'xml'"):
+        load_config("configs/fc_smoke.yaml", ["env.call_format=xml"])
+    with pytest.raises(ConfigError, match="env.call_format=python is for env.kind=fc_learn; env.kind=kg writes calls as Hermes JSON"):
+        load_config("configs/smoke.yaml", ["env.call_format=python"])
+    with pytest.raises(ConfigError, match="data.fc_train_classes selects fc_learn's API classes; env.kind=kg has none"):
+        load_config("configs/smoke.yaml", ["data.fc_train_classes=[MathAPI]"])

@@ -130,7 +130,11 @@ def test_eval_config_on_the_built_in_envs(tmp_path, in_repo):
     kg, _ = _eval(tmp_path, "kg", "--config", "configs/smoke.yaml", "--policy", "oracle", "--max-turns", "8")  # smoke.yaml allows 2 turns
     assert kg["eval/em"] == 1.0 and kg["env"] == "kg" and kg["n"] == 4 and "errors" in kg
     fc, _ = _eval(tmp_path, "fc", "--config", "configs/fc_smoke.yaml", "--policy", "oracle")
-    assert fc["eval/em"] == 1.0 and fc["env"] == "fc_learn" and fc["n"] == 4
+    assert fc["eval/em"] == 1.0 and fc["env"] == "fc_learn" and fc["n"] == 4 and fc["call_format"] == "json"
+    assert fc["em_by_kind"] == {"fc_learn_fs": {"em": 1.0, "n": 2}, "fc_learn_math": {"em": 1.0, "n": 2}}
+    # format-OOD: the same dev tasks with calls written as Python lists (the oracle writes them too)
+    py, _ = _eval(tmp_path, "fc_py", "--config", "configs/fc_smoke.yaml", "--policy", "oracle", "--set", "env.call_format=python")
+    assert (py["eval/em"], py["call_format"], py["n"]) == (1.0, "python", 4)
     fc_null, _ = _eval(tmp_path, "fc_null", "--config", "configs/fc_smoke.yaml", "--policy", "null")
     assert fc_null["eval/em"] == 0.0
 

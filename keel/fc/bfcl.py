@@ -34,7 +34,7 @@ from typing import Any
 
 from keel.errors import UserError
 from keel.rundir import iter_jsonl_strict
-from keel.fc.parse import AnswerOnceEpisode, CallParseError, canonical_call, parse_calls, parse_python_calls
+from keel.fc.parse import CALL_FORMATS, AnswerOnceEpisode, CallParseError, canonical_call, parse_calls, parse_python_calls
 from keel.types import Observation, Task, ToolCall
 
 import bfcl_eval
@@ -484,8 +484,8 @@ class BfclEnv:
     name = "bfcl"
 
     def __init__(self, call_format: str = "json", step_limit: int = STEP_LIMIT):
-        if call_format not in ("json", "python", "python_tagged"):
-            raise UserError(f"unknown call_format {call_format!r}")
+        if call_format not in CALL_FORMATS:
+            raise UserError(f"unknown call_format {call_format!r}; expected one of {', '.join(CALL_FORMATS)}")
         self.call_format = call_format
         self.step_limit = step_limit
 

@@ -75,6 +75,9 @@ def _fs_task(rng: random.Random, task_id: str) -> tuple[dict[str, Any], list[lis
     return _entry(task_id, ["GorillaFileSystem"], turns, config, FS_FUNCTIONS), gold
 
 
+KIND_CLASSES = {"math": "MathAPI", "fs": "GorillaFileSystem"}  # a task kind and the one simulator class it touches
+
+
 def generate_tasks(n: int, seed: int = 0, kinds: tuple[str, ...] = ("math", "fs")) -> list[Task]:
     """`n` tasks, reproducible from `seed`; `kinds` picks MathAPI and/or GorillaFileSystem."""
     if n < 0:
