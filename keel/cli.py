@@ -550,7 +550,8 @@ def _fc_eval(args) -> dict:
     from keel.endpoint import EndpointError
 
     return evaluate_fc(args.env, policy, data=args.data, categories=categories, out_dir=args.out, call_formats=formats,
-                       heldout_classes=heldout, limit=args.limit or None, recover=(EndpointError,) if args.policy == "endpoint" else ())
+                       heldout_classes=heldout, limit=args.limit or None, recover=(EndpointError,) if args.policy == "endpoint" else (),
+                       progress=lambda line: print(f"[keel] eval {args.env}: {line}", file=sys.stderr, flush=True))
 
 
 def _data(args) -> int:

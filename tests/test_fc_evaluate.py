@@ -87,6 +87,15 @@ def test_evaluate_fc_learn_oracle(tmp_path):
     assert s["accuracy/fc_learn_math"] == 1.0 and s["accuracy/fc_learn_fs"] == 1.0
 
 
+def test_evaluate_fc_reports_progress_per_task():
+    lines = []
+    evaluate_fc("fc_learn", "null", limit=2, call_formats=("json", "python"), progress=lines.append)
+    assert lines == ["json 1/2 tasks, 0 valid", "json 2/2 tasks, 0 valid", "python 1/2 tasks, 0 valid", "python 2/2 tasks, 0 valid"]
+    lines.clear()
+    evaluate_fc("fc_learn", "oracle", limit=3, progress=lines.append)
+    assert lines == ["json 1/3 tasks, 1 valid", "json 2/3 tasks, 2 valid", "json 3/3 tasks, 3 valid"]
+
+
 def test_fc_learn_train_classes_and_call_format_from_the_config():
     """Paper A's claim 3 axes from a preset: data.fc_train_classes keeps the training tasks to
     some classes and leaves dev whole (the rest is content-OOD); env.call_format writes the

@@ -137,8 +137,12 @@ def evaluate_fc(
     heldout_classes: tuple[str, ...] = (),
     limit: int | None = None,
     recover: tuple[type[BaseException], ...] = (),
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run `policy` on every task of `env_name` and write out_dir/summary.json + results.jsonl.
+
+    progress: called after every task with a line such as "json 3/20 tasks, 1 valid" (a BFCL
+    multi-turn task can take minutes on a CPU).
 
     recover: exception types (an endpoint's EndpointError) that fail one task, not the whole
     evaluation, once some task has run: the task is scored 0 with its `error`; before any has,
@@ -158,9 +162,17 @@ def evaluate_fc(
     tasks = _load_tasks(env_name, data, categories, limit)
     rows: list[dict[str, Any]] = []
     ran = 0
+
+    def report(fmt: str) -> None:
+        if progress is not None:
+            done = [r for r in rows if r["call_format"] == fmt]
+            progress(f"{fmt} {len(done)}/{len(tasks)} tasks, {sum(r['valid'] for r in done)} valid")
+
     for fmt in call_formats:
         fn = resolve_policy(policy, fmt)
-        for task in tasks:
+        for i, task in enumerate(tasks):
+            if i:
+                report(fmt)
             env = env_for(env_name, task, fmt)
             ood = bool(set(task_classes(task)) & set(heldout_classes))
             try:
@@ -187,6 +199,8 @@ def evaluate_fc(
                     "truncated": episode.truncated,
                 }
             )
+        if tasks:
+            report(fmt)
     summary = summarise(env_name, rows, call_formats, bool(heldout_classes))
     if recover:
         from keel.endpoint import request_errors
