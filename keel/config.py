@@ -671,8 +671,11 @@ def load_config(preset: str | Path | None = None, overrides: list[str] | None = 
             raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
         apply_dict(cfg, data, str(path))
     if smoke:
+        unused = [k for k in ("sft.steps", "grpo.steps") if get_key(cfg, k) == 0]
         for k, v in SMOKE.items():
             set_key(cfg, k, v)
+        for k in unused:  # an SFT-only (or RL-only) preset keeps its shape under --smoke
+            set_key(cfg, k, 0)
         if cfg.signals.at_steps:  # make the smoke run reach an interleaved supervision phase
             cfg.signals.at_steps = [1]
         if cfg.signals.self_distill.trajectories and not Path(cfg.signals.self_distill.trajectories).exists():

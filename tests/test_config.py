@@ -55,6 +55,7 @@ def test_every_preset_loads_and_smoke_shrinks_it(preset):
     smoke = load_config(CONFIGS / preset, smoke=True)
     assert smoke.model.name == "tiny" and smoke.grpo.steps <= 2 and smoke.rollout.prompts_per_step <= 2
     assert cfg.grpo.steps >= smoke.grpo.steps
+    assert (smoke.grpo.steps == 0) == (cfg.grpo.steps == 0)  # an SFT-only preset (claim3_fc_sft) stays SFT-only
 
 
 def test_preset_by_name_and_describe():

@@ -23,8 +23,12 @@ def test_preset_runs_with_smoke(tmp_path, preset):
     out = train_cli(tmp_path, "run", f"configs/{preset}", "--smoke")
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     rl = [x for x in lines if x.get("phase") == "rl"]
+    cfg = load_config(out / "config.yaml")
+    if cfg.grpo.steps == 0:  # an SFT-only preset (claim3_fc_sft) keeps its shape: the warm-start ran, no RL step
+        assert any(x.get("phase") == "sft" for x in lines) and not rl, preset
+        return
     assert len(rl) >= 1
-    s = load_config(out / "config.yaml").signals
+    s = cfg.signals
     most = lambda key: max((x.get(key) or 0.0 for x in lines), default=0.0)  # noqa: E731
     phases = [x for x in lines if "signal/phase_steps" in x]  # interleaved supervision steps
     if s.ops.enabled:
