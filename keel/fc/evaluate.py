@@ -163,16 +163,16 @@ def evaluate_fc(
     rows: list[dict[str, Any]] = []
     ran = 0
 
-    def report(fmt: str) -> None:
+    def report(fmt: str, done: list[dict[str, Any]]) -> None:
         if progress is not None:
-            done = [r for r in rows if r["call_format"] == fmt]
             progress(f"{fmt} {len(done)}/{len(tasks)} tasks, {sum(r['valid'] for r in done)} valid")
 
     for fmt in call_formats:
         fn = resolve_policy(policy, fmt)
+        start = len(rows)  # this format's rows are rows[start:]
         for i, task in enumerate(tasks):
             if i:
-                report(fmt)
+                report(fmt, rows[start:])
             env = env_for(env_name, task, fmt)
             ood = bool(set(task_classes(task)) & set(heldout_classes))
             try:
@@ -200,7 +200,7 @@ def evaluate_fc(
                 }
             )
         if tasks:
-            report(fmt)
+            report(fmt, rows[start:])
     summary = summarise(env_name, rows, call_formats, bool(heldout_classes))
     if recover:
         from keel.endpoint import request_errors

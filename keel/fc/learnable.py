@@ -22,6 +22,7 @@ FS_FUNCTIONS = ("cd", "ls", "mkdir", "touch", "cat")
 _FOLDERS = ("docs", "reports", "photos", "music", "notes")
 _FILES = ("todo.txt", "summary.md", "data.csv", "plan.txt", "log.txt")
 _NEW_DIRS = ("archive", "backup", "drafts", "temp", "shared")
+KIND_CLASSES = {"math": "MathAPI", "fs": "GorillaFileSystem"}  # a task kind and the one simulator class it touches
 
 
 def _entry(task_id: str, classes: list[str], turns: list[str], config: dict[str, Any], functions: tuple[str, ...]) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def _math_task(rng: random.Random, task_id: str) -> tuple[dict[str, Any], list[l
         # Second turn carries the first result: the model must read the tool response.
         turns.append(f"Now multiply that result by {c}.")
         gold.append([_call("multiply", a=first, b=c)])
-    return _entry(task_id, ["MathAPI"], turns, {}, MATH_FUNCTIONS), gold
+    return _entry(task_id, [KIND_CLASSES["math"]], turns, {}, MATH_FUNCTIONS), gold
 
 
 def _fs_task(rng: random.Random, task_id: str) -> tuple[dict[str, Any], list[list[str]]]:
@@ -72,10 +73,7 @@ def _fs_task(rng: random.Random, task_id: str) -> tuple[dict[str, Any], list[lis
     else:
         turns = [f"Go into the {folder} folder.", f"Show me what {existing} says."]
         gold = [[_call("cd", folder=folder)], [_call("cat", file_name=existing)]]
-    return _entry(task_id, ["GorillaFileSystem"], turns, config, FS_FUNCTIONS), gold
-
-
-KIND_CLASSES = {"math": "MathAPI", "fs": "GorillaFileSystem"}  # a task kind and the one simulator class it touches
+    return _entry(task_id, [KIND_CLASSES["fs"]], turns, config, FS_FUNCTIONS), gold
 
 
 def generate_tasks(n: int, seed: int = 0, kinds: tuple[str, ...] = ("math", "fs")) -> list[Task]:
