@@ -13,7 +13,7 @@ The fixed threshold applies to training (SFT steps, GRPO updates, supervision ph
 heap creeps over micro-batches of differing lengths. Rollouts and evaluations allocate per decode
 step (logits, the growing cache); mmapped, each of those faults in fresh pages, so while
 `keel.rollout.rollout` runs the threshold is raised to glibc's ceiling (`decoding_heap`) and set
-back after. The main job with 1 MB for the whole run: peak RSS 5.33 → 4.84 GiB, rollouts 15–25%
+back after. The main job with 1 MB for the whole run: peak RSS 5,333 → 4,841 MiB, rollouts 15–25%
 slower, updates unchanged, results identical (LOG.md, twentieth session).
 """
 
