@@ -78,7 +78,7 @@ def test_decoding_heap_keeps_rollout_tensors_on_the_heap():
     assert inside < 50, out  # heap: held until trimmed
 
 
-def test_decoding_heap_does_nothing_without_a_fixed_threshold(monkeypatch):
+def test_decoding_heap_raises_the_threshold_and_sets_it_back_only_when_one_was_fixed(monkeypatch):
     from keel import memory
 
     calls = []
