@@ -70,7 +70,8 @@ def _mallopt_threshold(megabytes: float) -> bool:
 def decoding_heap():
     """Inside: glibc's threshold at its ceiling, so a rollout's per-step tensors come from the heap
     (freed chunks reused, no page faults); after: the threshold `set_mmap_threshold` fixed. Nothing
-    happens when no threshold was fixed (glibc's dynamic one) or it is at the ceiling already."""
+    happens when no threshold was fixed (glibc's dynamic one) or it is at the ceiling already.
+    Also a decorator (`@decoding_heap()`, as on keel.rollout.rollout)."""
     low = _threshold_mb
     if low is None or low >= HEAP_CEILING_MB:
         yield
@@ -80,17 +81,6 @@ def decoding_heap():
         yield
     finally:
         _mallopt_threshold(low)
-
-
-def on_decoding_heap(fn):
-    """`fn` runs inside `decoding_heap()` (keel.rollout.rollout)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with decoding_heap():
-            return fn(*args, **kwargs)
-
-    return wrapper
 
 
 def release_free_memory() -> bool:

@@ -37,7 +37,7 @@ from keel.chat import IM_END, IM_START, TOOLS_POSTAMBLE, TOOLS_PREAMBLE, render_
 from keel.decode import LeanDecoder
 from keel.episode import process_turn
 from keel.logprobs import common_prefix_len
-from keel.memory import on_decoding_heap
+from keel.memory import decoding_heap
 from keel.templates import ChatTemplate, Conversation
 from keel.types import Env, Source, Task, Trajectory, episode_info
 
@@ -333,7 +333,7 @@ def _choose(logits: torch.Tensor, params: SamplingParams, generator, active: Seq
 
 
 @torch.no_grad()
-@on_decoding_heap  # a fixed low mmap threshold (run.malloc_mmap_threshold_mb) is for training, not decode steps
+@decoding_heap()  # a fixed low mmap threshold (run.malloc_mmap_threshold_mb) is for training, not decode steps
 def rollout(
     model,
     tokenizer,
