@@ -217,6 +217,23 @@ def test_eval_only_histories_of_the_three_shapes_once_missed(tmp_path):
     assert d["mode"] == "healthy"
 
 
+def test_a_cliff_from_a_plateau_below_the_peak_is_mode_4(tmp_path):
+    # results/claim6/ladder_r_selfv-s2's evals: EM 0.60 → 0.30, 0.36, then 0 inside one window as
+    # the calls fell 2.04 → 1.0 (quote-and-stop in 4 of 4 final samples): mode 4 from a plateau at
+    # 60% of the start; it was scored control_token_collapse while a cliff had to start within 0.1
+    # of the peak.
+    ems, tools = [0.6, 0.3, 0.36, 0.0, 0.0], [2.2, 2.0, 2.04, 1.0, 1.0]
+    d = diagnose(write_run(tmp_path / "plateau", eval_only(ems, tools, [0.02] * 5, every=2)))
+    assert d["mode"] == "spec_gaming_cliff"
+    assert d["evidence"]["steps"] == {"peak": 0, "collapse": 6}
+    # Not a cliff: the same end reached by a slow decline (the eval before held less than half the
+    # peak), or a plateau at half the peak that lost only half of itself in the window.
+    d = diagnose(write_run(tmp_path / "decline", eval_only([0.6, 0.4, 0.25, 0.1, 0.0], tools, [0.02] * 5, every=2)))
+    assert d["evidence"]["scores"]["spec_gaming_cliff"]["qualifies"] is False
+    d = diagnose(write_run(tmp_path / "halving", eval_only([0.6, 0.3, 0.3, 0.15], [2.2, 2.0, 2.0, 1.0], [0.02] * 4, every=2)))
+    assert d["evidence"]["scores"]["spec_gaming_cliff"]["qualifies"] is False
+
+
 def test_a_fall_no_signature_fits_is_an_unnamed_collapse_not_healthy(tmp_path):
     # results/claim6/ladder_r_selfv-s1's evals: EM 0.60 → 0 → 0.22 → 0.10 → 0.16 with two calls
     # a question throughout and answers kept: lost 44 points (p = 3e-6), and no mode's required

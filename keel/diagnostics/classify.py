@@ -22,8 +22,9 @@ Required signals per mode (the others add to the score):
   share was measured (eval-only histories), EM rose, then fell to ≤ 30% of its peak while
   tools/question fell to ≤ 0.1 (calls no longer parsed);
 - spec_gaming_cliff: an eval where EM ≤ 30% of its running peak (≥ 0.1) right after an eval
-  within 0.1 of the peak, and, where tools/question was recorded there, calls falling to about
-  one (0.5–1.5) and ≤ 60% of before, at the cliff or by the end (scored: entropy not halved; quote-and-stop samples);
+  within 0.1 of the peak, or after one that held ≥ half the peak and fell to ≤ 30% of itself,
+  and, where tools/question was recorded there, calls falling to about one (0.5–1.5) and ≤ 60%
+  of before, at the cliff or by the end (scored: entropy not halved; quote-and-stop samples);
 - control_token_collapse: peak `kl/control_share` ≥ 0.5 and ≥ 2× early, or the pollution +
   full-collapse share up by ≥ 0.2; and harm: dev EM ended ≥ 0.1 below its peak, or that
   structural breakdown (a concentration while EM held or rose is not a collapse).
@@ -176,10 +177,16 @@ def _rounded(v: float | None) -> float | None:
 
 def _cliff(em: list[tuple[int, float]]) -> dict[str, Any] | None:
     """The first eval where EM fell to ≤ 30% of its running peak (peak ≥ 0.1) from the eval just
-    before, which was within 0.1 of the peak: a fall inside one eval window."""
+    before, which was within 0.1 of the peak, or held at least half of it and fell to ≤ 30% of
+    itself: a fall inside one eval window from where the run stood, not the last step of a slow
+    decline. The plateau may sit below the peak: results/claim6/ladder_r_selfv-s2 went 0.60 →
+    0.30, 0.36, then 0 in one window as its calls fell to one — mode 4 from a lower plateau."""
     peak_step, peak = None, -1.0
     for i, (step, v) in enumerate(em):
-        if i and peak >= 0.1 and v <= 0.3 * peak and em[i - 1][1] >= peak - 0.1:
+        before = em[i - 1][1] if i else 0.0
+        near_peak = before >= peak - 0.1
+        plateau = before >= 0.5 * peak and v <= 0.3 * before
+        if i and peak >= 0.1 and v <= 0.3 * peak and (near_peak or plateau):
             return {"peak": peak, "peak_step": peak_step, "step": step, "em": v, "previous_step": em[i - 1][0]}
         if v > peak:
             peak_step, peak = step, v
