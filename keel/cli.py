@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     dg.add_argument("run_dir")
     r = sub.add_parser("report", help="write RUN_DIR/report.html (self-contained plots and trajectory viewer)")
     r.add_argument("run_dir")
+    r.add_argument("--figures", metavar="DIR", help="also write each chart as a standalone DIR/<section>-<title>.svg (for Markdown pages)")
     cp = sub.add_parser("compare", help="compare runs: eval metrics with Wilson 95%% intervals and McNemar tests")
     cp.add_argument("run_dirs", nargs="+")
     cp.add_argument("--out", help="write the comparison page here (HTML)")
@@ -631,6 +632,11 @@ def _report(args) -> int:
     run = Path(args.run_dir)
     check_run_logged(run, "report")
     print(write_report(run))
+    if args.figures:
+        from keel.report import write_figures
+
+        for path in write_figures(run, args.figures):
+            print(path)
     return 0
 
 

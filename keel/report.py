@@ -17,6 +17,7 @@ import html
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -854,6 +855,78 @@ def render_report(run: Run) -> str:
         section_config(run),
     ]
     return page(f"Keel report: {run.name}", "".join(sections))
+
+
+# ----------------------------------------------------------------------------------------------
+# The same charts as standalone .svg files (for docs: a Markdown page can embed an image, not a page)
+# ----------------------------------------------------------------------------------------------
+
+# the chart rules of STYLE, for an <svg> read on its own
+SVG_STYLE = (
+    "text{font:11px system-ui,-apple-system,'Segoe UI',sans-serif;fill:#374151}text.title{font-size:12.5px;font-weight:600;fill:#111827}"
+    ".grid{stroke:#e5e7eb}.axis{stroke:#9ca3af}.frame{fill:none;stroke:#9ca3af}"
+    ".alert line{stroke:#dc2626;stroke-dasharray:3 3;stroke-width:1.2}.alert path{fill:#dc2626}"
+    ".peak circle{fill:none;stroke:#111827;stroke-width:1.5}.peak text{font-weight:600}"
+)
+_CHART = re.compile(r'<svg class="chart" width="(\d+)" height="(\d+)" viewBox="0 0 \d+ \d+" role="img">(.*?)</svg>', re.S)
+_KEY = re.compile(r'<span class="key"><svg [^>]*><line [^>]*stroke="([^"]*)"[^>]*?( stroke-dasharray=[^/]*)?/></svg>(.*?)</span>', re.S)
+_TITLE = re.compile(r'<text [^>]*class="title">(.*?)</text>', re.S)
+
+
+def standalone_svgs(section_html: str) -> list[tuple[str, str]]:
+    """Every chart of a report section as (title, a complete SVG document): the section's
+    <figure>s, each chart with its legend drawn inside the image and the chart styles inline."""
+    out = []
+    for figure in re.findall(r"<figure>(.*?)</figure>", section_html, re.S):
+        chart = _CHART.search(figure)
+        if chart is None:
+            continue
+        width, height, body = int(chart.group(1)), int(chart.group(2)), chart.group(3)
+        keys = _KEY.findall(figure[chart.end():])
+        legend, x, y = [], 12.0, height + 4
+        for colour, dashed, name in keys:
+            span = 30 + 6.2 * len(html.unescape(name))
+            if x + span > width and x > 12:
+                x, y = 12.0, y + 16
+            dash = ' stroke-dasharray="4 3"' if dashed else ""
+            legend.append(f'<line x1="{x:.0f}" y1="{y + 4}" x2="{x + 18:.0f}" y2="{y + 4}" stroke="{colour}" stroke-width="2"{dash}/>'
+                          f'<text x="{x + 22:.0f}" y="{y + 8}">{name}</text>')
+            x += span
+        total = y + 18 if keys else height
+        title = _TITLE.search(body)
+        out.append((html.unescape(title.group(1)) if title else "chart",
+                    f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{total}" viewBox="0 0 {width} {total}">'
+                    f'<style>{SVG_STYLE}</style><rect width="100%" height="100%" fill="#fff"/>{body}{"".join(legend)}</svg>\n'))
+    return out
+
+
+def _slug(text: str) -> str:
+    """A file-name part: `</answer>` → "end-answer", "KL to the reference" → "kl-to-the-reference"."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower().replace("</", "end-")).strip("-") or "chart"
+
+
+def write_figures(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[Path]:
+    """Write each chart of the run's report as `out_dir/<section>-<title>.svg`; return the paths.
+
+    The sections with curves (dev evaluation, reward, structural states, KL by token class,
+    control-token frequency, optimisation); a chart with no data is left out. Existing files of
+    the same name are replaced (atomically), others in `out_dir` are left alone."""
+    run = load_run(run_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sections = (("eval", section_eval), ("reward", section_reward), ("states", section_states), ("kl", section_kl),
+                ("freq", section_frequency), ("optim", section_optimisation))
+    written = []
+    for name, section in sections:
+        for title, svg in standalone_svgs(section(run)):
+            stem = f"{name}-{_slug(title)}"
+            target, n = out / f"{stem}.svg", 1
+            while target in written:  # two charts whose titles differ only in punctuation
+                n += 1
+                target = out / f"{stem}-{n}.svg"
+            atomic_write_text(target, svg)
+            written.append(target)
+    return written
 
 
 def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:

@@ -388,3 +388,47 @@ def test_report_in_headless_chromium(tmp_path, hostile_report):
     blank_shot = tmp_path / "blank.png"
     chromium(blank.as_uri(), tmp_path, f"--screenshot={blank_shot}", "--window-size=1000,1400")
     assert variance(png_pixels(blank_shot)[2]) < 1
+
+
+def test_figures_are_standalone_svgs_with_their_legends(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from keel.report import write_figures
+
+    run_dir = make_run(tmp_path / "run")
+    paths = write_figures(run_dir, tmp_path / "figures")
+    names = {p.name for p in paths}
+    assert len(names) == len(paths)  # no chart overwrote another (<tool_call> and </tool_call>)
+    assert {"eval-tools-per-question-dev.svg", "kl-share-of-kl-carried-by-control-tags.svg", "kl-mean-k3-kl-per-token-class-step.svg",
+            "freq-tool-call.svg", "freq-end-tool-call.svg"} <= names
+    for p in paths:
+        root = ET.parse(p).getroot()  # well-formed XML on its own
+        assert root.tag == "{http://www.w3.org/2000/svg}svg", p.name
+        assert root.find("{http://www.w3.org/2000/svg}style") is not None, p.name
+    # The legend is drawn inside the image: the series names of the eval chart, below the plot.
+    svg = (tmp_path / "figures" / "eval-em-f1-cvt-format-validity-dev-greedy.svg").read_text()
+    root = ET.fromstring(svg)
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert {"EM", "F1", "CvT", "format valid"} <= set(texts)
+    assert int(root.get("height")) > 220  # the chart's 220 px plus the legend's row
+    # A second call replaces the files in place; the CLI writes the page and the same figures.
+    again = write_figures(run_dir, tmp_path / "figures")
+    assert sorted(again) == sorted(paths)
+    import keel.cli
+
+    assert keel.cli.main(["report", str(run_dir), "--figures", str(tmp_path / "cli")]) == 0
+    assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == sorted(names)
+    assert (run_dir / "report.html").is_file()
+
+
+def test_figure_names_and_values_are_escaped(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from keel.report import Line, line_chart, standalone_svgs
+
+    fig = line_chart('<b>"KL"</b> & more', [Line("</tool_call> & <x>", [(0, 1.0), (1, 2.0)], "#123456")])
+    [(title, svg)] = standalone_svgs(fig)
+    assert title == '<b>"KL"</b> & more'
+    root = ET.fromstring(svg)
+    assert "</tool_call> & <x>" in [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert standalone_svgs('<p class="note">no data yet.</p>') == []
