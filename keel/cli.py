@@ -115,6 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("run_dirs", nargs="+")
     cp.add_argument("--out", help="write the comparison page here (HTML)")
     cp.add_argument("--at", default="final", help="which eval of each run: final, peak (by EM) or a step number")
+    cp.add_argument("--figures", metavar="DIR", help="also write each chart of the comparison as a standalone DIR/compare-<title>.svg")
     return p
 
 
@@ -651,6 +652,11 @@ def _compare(args) -> int:
     print(result["table"])
     if result.get("html"):
         print(f"wrote {result['html']}")
+    if args.figures:
+        from keel.compare import write_comparison_figures
+
+        for path in write_comparison_figures(result, [Path(r) for r in args.run_dirs], args.figures):
+            print(f"wrote {path}")
     return 0
 
 

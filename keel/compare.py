@@ -382,14 +382,27 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
     return "<table><tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>" + "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
 
 
-def render_comparison(result: dict[str, Any], dirs: list[Path]) -> str:
-    """HTML page: overlaid curves of every run, the metric table and the tests."""
-    loaded = [load_run(d) for d in dirs]
+def comparison_charts(result: dict[str, Any], loaded: list) -> list[str]:
+    """The overlaid curves of every run, one chart per OVERLAY metric (HTML figures)."""
     colours = {r["name"]: PALETTE[i % len(PALETTE)] for i, r in enumerate(result["runs"])}
     charts = []
     for key, title in OVERLAY:
         lines = [Line(r["name"], run.series.get(key, []), colours[r["name"]], dots=key.startswith("eval/")) for r, run in zip(result["runs"], loaded)]
         charts.append(line_chart(title, lines, y_range=(0.0, None), width=440))
+    return charts
+
+
+def write_comparison_figures(result: dict[str, Any], dirs: list[Path], out_dir: str | os.PathLike) -> list[Path]:
+    """The comparison's curves as standalone `out_dir/compare-<title>.svg` files (keel.report.write_svgs)."""
+    from keel.report import write_svgs
+
+    return write_svgs([("compare", chart) for chart in comparison_charts(result, [load_run(d) for d in dirs])], out_dir)
+
+
+def render_comparison(result: dict[str, Any], dirs: list[Path]) -> str:
+    """HTML page: overlaid curves of every run, the metric table and the tests."""
+    loaded = [load_run(d) for d in dirs]
+    charts = comparison_charts(result, loaded)
     body = [
         f"<h1>Keel comparison of {len(loaded)} runs</h1>",
         f'<p class="note">{escape(", ".join(str(d.resolve()) for d in dirs))}</p>',

@@ -912,14 +912,19 @@ def write_figures(run_dir: str | os.PathLike, out_dir: str | os.PathLike) -> lis
     control-token frequency, optimisation); a chart with no data is left out. Existing files of
     the same name are replaced (atomically), others in `out_dir` are left alone."""
     run = load_run(run_dir)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     sections = (("eval", section_eval), ("reward", section_reward), ("states", section_states), ("kl", section_kl),
                 ("freq", section_frequency), ("optim", section_optimisation))
-    written = []
-    for name, section in sections:
-        for title, svg in standalone_svgs(section(run)):
-            stem = f"{name}-{_slug(title)}"
+    return write_svgs([(name, section(run)) for name, section in sections], out_dir)
+
+
+def write_svgs(parts: list[tuple[str, str]], out_dir: str | os.PathLike) -> list[Path]:
+    """Write the charts of each (prefix, HTML) part as `out_dir/<prefix>-<title>.svg`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for prefix, markup in parts:
+        for title, svg in standalone_svgs(markup):
+            stem = f"{prefix}-{_slug(title)}"
             target, n = out / f"{stem}.svg", 1
             while target in written:  # two charts whose titles differ only in punctuation
                 n += 1

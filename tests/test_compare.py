@@ -251,3 +251,17 @@ def test_paired_lift_hand_computed():
     assert lift["p_value"] == 18 / 256  # 2·P[X ≤ 1], X ~ Bin(8, ½)
     many = paired_lift({str(i): {"em": 0.0} for i in range(40)}, {str(i): {"em": float(i < 30)} for i in range(40)})
     assert many["gained"] == 30 and many["p_value"] == 2 / 2**30  # exact binomial, not chi-square, at 30 discordant pairs
+
+
+def test_compare_figures_are_the_pages_curves_as_svg_files(two_runs, tmp_path):
+    import xml.etree.ElementTree as ET
+
+    import keel.cli
+
+    assert keel.cli.main(["compare", *map(str, two_runs), "--out", str(tmp_path / "c.html"), "--figures", str(tmp_path / "fig")]) == 0
+    names = sorted(p.name for p in (tmp_path / "fig").iterdir())
+    assert "compare-dev-em.svg" in names and "compare-kl-mean.svg" in names
+    page = (tmp_path / "c.html").read_text()
+    assert len(names) == page.count('<svg class="chart"')  # every chart of the page, no more
+    texts = [t.text for t in ET.parse(tmp_path / "fig" / "compare-dev-em.svg").getroot().iter("{http://www.w3.org/2000/svg}text")]
+    assert {"r-selfv", "r-selfv-gate"} <= set(texts)  # the legend names the runs
