@@ -31,6 +31,17 @@ def test_every_run_the_docs_name_is_committed_with_its_artifacts():
             assert (run / "config.yaml").exists() and (run / "metrics.jsonl").exists(), f"{run.relative_to(REPO)}: no config.yaml / metrics.jsonl"
 
 
+def test_every_plot_the_results_show_is_committed_and_every_committed_plot_is_shown():
+    text = (REPO / "docs/RESULTS.md").read_text(encoding="utf-8")
+    shown = set(re.findall(r"!\[[^\]]*\]\((figures/[^)\s]+)\)", text))
+    assert shown, "RESULTS.md shows no plot"
+    missing = sorted(f for f in shown if not (REPO / "docs" / f).is_file())
+    assert not missing, f"plots shown in RESULTS.md but not under docs/: {missing}"
+    stray = sorted(p.relative_to(REPO / "docs").as_posix() for p in (REPO / "docs/figures").rglob("*.svg"))
+    stray = [f for f in stray if f not in shown]
+    assert not stray, f"plots under docs/figures that RESULTS.md does not show: {stray}"
+
+
 def test_results_hold_no_checkpoints():
     heavy = [p.relative_to(REPO).as_posix() for p in (REPO / "results").rglob("*")
              if p.is_file() and (p.suffix in (".safetensors", ".pt", ".bin") or "checkpoints" in p.parts)]
