@@ -7,7 +7,8 @@ rotary construction for every call, dtype round trips in RMSNorm, and seven GEMM
 where four do the same work. `LeanDecoder.step` computes the same function with
 - q, k and v projections as one GEMM, gate and up as one (weights concatenated once per rollout);
 - RMSNorm as one fused `torch.rms_norm` in fp32, cast back before the weight, as transformers does;
-- rotary cos/sin computed once per step for all layers, from the rows' positions;
+- rotary cos/sin computed once per step for all layers, from the rows' positions, and applied to
+  q and k in one set of element-wise ops (they sit side by side in the q/k/v GEMM's output);
 - the decode mask prepared once per step (`keel.cascade._rows_mask`) for all layers;
 - attention through keel.cascade's split attention when the cache holds a shared prefix, else
   one SDPA call over the rows' own keys;
@@ -27,6 +28,30 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
 from keel import cascade
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale by the weight
+    return weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _attention_in(h, ln1, wqkv, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
+    """A layer's input norm, its q/k/v projection as one GEMM, and rotary on q and k together
+    (one set of element-wise ops over H + KV heads instead of two: the same values)."""
+    B = h.shape[0]
+    qkv = _rms(h, ln1, eps) @ wqkv.T  # [B, (H + 2·KV)·D]
+    k_end = (heads + kv_heads) * head_dim
+    qk = qkv[:, :k_end].view(B, heads + kv_heads, head_dim)
+    qk = qk * cos + rotate_half(qk) * sin
+    v = qkv[:, k_end:].view(B, kv_heads, head_dim)
+    return qk[:, :heads], qk[:, heads:], v
+
+
+def _attention_out_mlp(h, attended, wo, ln2, wgu, wdown, eps: float, intermediate: int):
+    """The attention's output projection and residual, then the MLP block and its residual."""
+    h = h + attended @ wo.T
+    gate, up = (_rms(h, ln2, eps) @ wgu.T).split(intermediate, dim=-1)
+    return h + (F.silu(gate) * up) @ wdown.T
 
 
 class _Layer:
@@ -77,10 +102,6 @@ class LeanDecoder:
             return None
         return LeanDecoder(model)
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale by the weight
-        return weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """tokens, positions [B, 1]; attn [B, P + L + 1] over [shared prefix ‖ own cached keys ‖
@@ -101,15 +122,8 @@ class LeanDecoder:
             prepared = cascade._rows_mask(own, H // KV, dtype)
         else:
             sdpa_mask = own
-        q_end, k_end = H * D, H * D + KV * D
         for i, w in enumerate(self.layers):
-            x = self._rms(h, w.ln1)
-            qkv = x @ w.wqkv.T  # [B, (H + 2·KV)·D]
-            q = qkv[:, :q_end].view(B, H, D)
-            k = qkv[:, q_end:k_end].view(B, KV, D)
-            v = qkv[:, k_end:].view(B, KV, D)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k, v = _attention_in(h, w.ln1, w.wqkv, cos, sin, self.eps, H, KV, D)
             layer = cache.layers[i]
             keys, values = layer.update(k[:, :, None, :], v[:, :, None, :])  # [B, KV, L+1, D]
             if prefix is not None:
@@ -118,10 +132,7 @@ class LeanDecoder:
             else:
                 out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=sdpa_mask, scale=self.scale,
                                                      enable_gqa=True)
-            h = h + out.reshape(B, H * D) @ w.wo.T
-            x = self._rms(h, w.ln2)
-            gate, up = (x @ w.wgu.T).split(self.intermediate, dim=-1)
-            h = h + (F.silu(gate) * up) @ w.wdown.T
-        h = self._rms(h, self.norm)
+            h = _attention_out_mlp(h, out.reshape(B, H * D), w.wo, w.ln2, w.wgu, w.wdown, self.eps, self.intermediate)
+        h = _rms(h, self.norm, self.eps)
         return (h @ self.lm_head.T).float()
 
