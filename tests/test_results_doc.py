@@ -31,6 +31,18 @@ def test_every_run_the_docs_name_is_committed_with_its_artifacts():
             assert (run / "config.yaml").exists() and (run / "metrics.jsonl").exists(), f"{run.relative_to(REPO)}: no config.yaml / metrics.jsonl"
 
 
+def test_paths_inside_commands_exist_too():
+    """A `results/...` path inside a longer code span (a command) must exist as written: a shell
+    shorthand such as `kg_{grpo,prs}-s0` names nothing a reader can open."""
+    missing = []
+    for doc in ("docs/RESULTS.md", "README.md"):
+        for span in re.findall(r"`([^`]+)`", (REPO / doc).read_text(encoding="utf-8")):
+            for path in re.findall(r"(?<![\w/.-])results/[^\s`,;)]+", span):
+                if not (REPO / path.rstrip(".:")).exists():
+                    missing.append(f"{doc}: {path}")
+    assert not missing, missing
+
+
 def test_every_plot_the_results_show_is_committed_and_every_committed_plot_is_shown():
     text = (REPO / "docs/RESULTS.md").read_text(encoding="utf-8")
     shown = set(re.findall(r"!\[[^\]]*\]\((figures/[^)\s]+)\)", text))
