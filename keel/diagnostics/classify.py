@@ -183,11 +183,10 @@ def _cliff(em: list[tuple[int, float]]) -> dict[str, Any] | None:
     0.30, 0.36, then 0 in one window as its calls fell to one — mode 4 from a lower plateau."""
     peak_step, peak = None, -1.0
     for i, (step, v) in enumerate(em):
-        before = em[i - 1][1] if i else 0.0
-        near_peak = before >= peak - 0.1
-        plateau = before >= 0.5 * peak and v <= 0.3 * before
-        if i and peak >= 0.1 and v <= 0.3 * peak and (near_peak or plateau):
-            return {"peak": peak, "peak_step": peak_step, "step": step, "em": v, "previous_step": em[i - 1][0]}
+        if i and peak >= 0.1 and v <= 0.3 * peak:
+            before = em[i - 1][1]
+            if before >= peak - 0.1 or (before >= 0.5 * peak and v <= 0.3 * before):  # near the peak, or a plateau
+                return {"peak": peak, "peak_step": peak_step, "step": step, "em": v, "previous_step": em[i - 1][0]}
         if v > peak:
             peak_step, peak = step, v
     return None
