@@ -6,12 +6,21 @@ the same test questions; this module does that from the per-question `eval/step_
 files of each run. Departures: McNemar is exact (binomial) when the discordant count is below
 25 and chi-square with continuity correction otherwise, and the table says which; p-values are
 also given Holm-adjusted over all tests of one comparison, since a sweep makes many pairs.
+
+`pool=True` reads several seeds of one setting as one arm: runs whose config.yaml agree on every
+key outside `run.*` (seed, threads, progress, ...) form an arm; an arm's shares are over all its
+runs' question-answers, and two arms are tested on the (seed, question) pairs both evaluated
+(McNemar's discordant counts summed over the seeds they share, each seed's runs paired question by
+question). Repeated questions across seeds are not independent draws, so a pooled p-value is
+a statement about these seeds on this question set, not about new questions.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 from itertools import combinations
@@ -274,10 +283,14 @@ def compare_runs(
     names: list[str] | None = None,
     references: dict[str, dict[str, float]] | None = None,
     exact_below: int = EXACT_BELOW,
+    pool: bool = False,
 ) -> dict[str, Any]:
     """Compare runs on their per-question eval results and, if `out` is given, write an HTML
     page overlaying their curves.
 
+    pool: group the runs into arms (`pool_arms`: same config outside `run.*`, one run per seed)
+        and test arms against each other on their pooled (seed, question) pairs instead of
+        testing every pair of runs; result["arms"] and result["arm_tests"].
     at: which eval of each run ('final', 'peak' by EM, or a step number).
     references: rows of reported numbers to print alongside (e.g. a paper's table),
         {"paper B R-selfV": {"em": 0.395, "cvt": 0.0957}}; shown without intervals.
@@ -300,7 +313,8 @@ def compare_runs(
         questions.append(q)
         runs.append({"name": label, "dir": str(d), "step": step, "file": str(path), "n": len(q), "metrics": summarise(q)})
     tests: list[dict[str, Any]] = []
-    for (i, a), (j, b) in combinations(enumerate(runs), 2):
+    pairs = [] if pool else list(combinations(enumerate(runs), 2))
+    for (i, a), (j, b) in pairs:
         check_same_questions(questions[i], questions[j], a["file"], b["file"])
         for name in PAIRED_FIELDS:
             pair = paired_lift(questions[i], questions[j], name, exact_below)  # "lost" = right in a only
@@ -315,11 +329,126 @@ def compare_runs(
     for test, adjusted in zip(tests, holm([t["p_value"] for t in tests])):
         test["p_holm"] = adjusted
     result: dict[str, Any] = {"runs": runs, "tests": tests, "references": dict(references or {}), "at": at, "html": None}
+    if pool:
+        result["arms"], result["arm_tests"] = pool_arms(dirs, runs, questions, exact_below)
     result["table"] = format_table(result)
     if out is not None:
         atomic_write_text(Path(out), render_comparison(result, dirs))
         result["html"] = str(out)
     return result
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise UserError(f"compare --pool: {path} is missing: arms are read from each run's config")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise UserError(f"compare --pool: {path} is not valid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"compare --pool: {path} holds no config mapping")
+    return _flat(data)
+
+
+def pool_arms(dirs: list[Path], runs: list[dict[str, Any]], questions: list[dict[str, dict[str, float]]],
+              exact_below: int = EXACT_BELOW) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Arms of runs that differ only in `run.*` (seeds of one setting), pooled.
+
+    Returns (arms, tests). Arm: {"name", "runs", "seeds", "settings" (its values of the config
+    keys that differ between arms), "n", "metrics" (summarise over every (seed, question))}. Test:
+    {"a", "b", "field", "seeds", "n_common", "b_only", "c_only", "method", "statistic",
+    "p_value", "p_holm"}, counts summed over the seeds both arms ran; b_only = right in arm a only.
+    Raises UserError for an arm with two runs of one seed (pairing is by seed).
+    """
+    configs = [_run_config(d) for d in dirs]
+    keyed: dict[str, list[int]] = {}
+    for i, c in enumerate(configs):
+        setting = {k: v for k, v in c.items() if not k.startswith("run.")}
+        keyed.setdefault(json.dumps(setting, sort_keys=True, default=str), []).append(i)
+    groups = list(keyed.values())
+    differing = sorted(k for k in set().union(*(c.keys() for c in configs)) if not k.startswith("run.")
+                       and len({json.dumps(configs[g[0]].get(k), sort_keys=True, default=str) for g in groups}) > 1)
+    arms: list[dict[str, Any]] = []
+    seeds_of: list[dict[int, int]] = []
+    for members in groups:
+        by_seed: dict[int, int] = {}
+        for i in members:
+            seed = configs[i].get("run.seed")
+            if not isinstance(seed, int) or isinstance(seed, bool):
+                raise UserError(f"compare --pool: {dirs[i] / 'config.yaml'} has no integer run.seed")
+            if seed in by_seed:
+                raise UserError(f"compare --pool: {runs[by_seed[seed]]['name']} and {runs[i]['name']} have the same setting and "
+                                f"seed {seed}; an arm pairs its runs with other arms' by seed, so it takes one run per seed")
+            by_seed[seed] = i
+        stems = sorted({re.sub(r"-s\d+$", "", runs[i]["name"]) for i in members})
+        pooled = {f"s{seed}/{q}": rec for seed, i in sorted(by_seed.items()) for q, rec in questions[i].items()}
+        arms.append({"name": stems[0] if len(stems) == 1 else "|".join(stems), "runs": [runs[i]["name"] for i in members],
+                     "seeds": sorted(by_seed), "settings": {k: configs[members[0]].get(k) for k in differing},
+                     "n": len(pooled), "metrics": summarise(pooled)})
+        seeds_of.append(by_seed)
+    for name in {a["name"] for a in arms}:  # two settings whose runs share a folder name: number them
+        same = [a for a in arms if a["name"] == name]
+        if len(same) > 1:
+            for k, a in enumerate(same, start=1):
+                a["name"] = f"{name}#{k}"
+    tests: list[dict[str, Any]] = []
+    for (i, a), (j, b) in combinations(enumerate(arms), 2):
+        shared_seeds = sorted(set(seeds_of[i]) & set(seeds_of[j]))
+        for field in PAIRED_FIELDS:
+            only_a = only_b = n = 0
+            for seed in shared_seeds:
+                qa, qb = questions[seeds_of[i][seed]], questions[seeds_of[j][seed]]
+                check_same_questions(qa, qb, runs[seeds_of[i][seed]]["file"], runs[seeds_of[j][seed]]["file"])
+                pair = paired_lift(qa, qb, field)
+                only_a, only_b, n = only_a + pair["lost"], only_b + pair["gained"], n + pair["n"]
+            if not n:
+                continue
+            test = mcnemar(only_a, only_b, exact_below)
+            tests.append({"a": a["name"], "b": b["name"], "field": field, "seeds": shared_seeds, "n_common": n,
+                          "b_only": only_a, "c_only": only_b, "method": test.method, "statistic": test.statistic, "p_value": test.p_value})
+    for test, adjusted in zip(tests, holm([t["p_value"] for t in tests])):
+        test["p_holm"] = adjusted
+    return arms, tests
+
+
+def _setting(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def arm_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = ["arm", "seeds", "n", "EM k/n", "EM % [95% CI]", "CvT % [95% CI]", "format valid % [95% CI]", "setting"]
+    rows = []
+    for a in result["arms"]:
+        m = a["metrics"]
+        em = m.get("em")
+        rows.append([a["name"], ",".join(map(str, a["seeds"])), str(a["n"]), f"{em['successes']}/{em['n']}" if em else "–",
+                     _cell(em, True), _cell(m.get("cvt"), True), _cell(m.get("format_valid"), True),
+                     "; ".join(f"{k}={_setting(v)}" for k, v in a["settings"].items())])
+    return header, rows
+
+
+def arm_test_rows(result: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    header = ["arm A", "arm B", "metric", "seeds", "pairs", "only A right", "only B right", "test", "statistic", "p", "p (Holm)"]
+    rows = []
+    for t in result["arm_tests"]:
+        test = "exact binomial" if t["method"] == "exact" else "chi-square, continuity-corrected"
+        rows.append([t["a"], t["b"], t["field"], ",".join(map(str, t["seeds"])), str(t["n_common"]), str(t["b_only"]), str(t["c_only"]),
+                     test, f"{t['statistic']:.3f}", f"{t['p_value']:.4g}", f"{t['p_holm']:.4g}"])
+    return header, rows
 
 
 def _cell(m: dict[str, float] | None, percent: bool) -> str:
@@ -373,6 +502,15 @@ def format_table(result: dict[str, Any]) -> str:
         unequal = {(t["a"], t["b"]) for t in result["tests"] if not (t["n_common"] == t["n_a"] == t["n_b"])}
         if unequal:
             parts.append("note: " + "; ".join(f"{a} vs {b} share only part of their questions" for a, b in sorted(unequal)))
+    elif "arms" in result:
+        parts += ["", "Arms (runs whose configs differ only in run.*, pooled over their seeds' question-answers; Wilson 95% intervals):",
+                  _text_table(*arm_rows(result))]
+        if result["arm_tests"]:
+            parts += ["", f"McNemar tests between arms on the (seed, question) pairs both ran, discordant counts summed over seeds (exact "
+                          f"binomial when fewer than {EXACT_BELOW}, else chi-square with continuity correction; Holm over these tests):",
+                      _text_table(*arm_test_rows(result))]
+        elif len(result["arms"]) > 1:
+            parts += ["", "No McNemar tests between arms: no two arms share a seed and questions."]
     elif len(result["runs"]) > 1:
         parts += ["", "No McNemar tests: the runs share no evaluated questions."]
     return "\n".join(parts)
@@ -411,6 +549,12 @@ def render_comparison(result: dict[str, Any], dirs: list[Path]) -> str:
     ]
     if result["tests"]:
         body += [f"<h2>McNemar tests on shared questions</h2><p class=\"note\">Exact binomial when fewer than {EXACT_BELOW} discordant pairs, else chi-square with continuity correction; Holm-adjusted over all tests on this page.</p>", _html_table(*mcnemar_rows(result))]
+    if "arms" in result:
+        body += ["<h2>Arms pooled over seeds</h2><p class=\"note\">Runs whose configs differ only in run.* form an arm; shares over all its "
+                 "seeds' question-answers (Wilson 95%).</p>", _html_table(*arm_rows(result))]
+        if result["arm_tests"]:
+            body += ["<h2>McNemar tests between arms</h2><p class=\"note\">On the (seed, question) pairs both arms ran, discordant counts "
+                     "summed over seeds; Holm-adjusted over these tests.</p>", _html_table(*arm_test_rows(result))]
     body += ["<h2>Curves</h2>", f'<div class="row">{"".join(charts)}</div>']
     problems = [f"{run.name}: {p}" for run in loaded for p in run.problems]
     if problems:

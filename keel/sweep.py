@@ -2,7 +2,8 @@
 
     DIR/sweep.json          the arguments (presets, seeds, overrides, smoke), written first
     DIR/<stem>-s<seed>/     one ordinary run directory per preset and seed (run.seed = seed)
-    DIR/compare.txt, .html  `keel compare` over all runs, once every run is done
+    DIR/compare.txt, .html  `keel compare` over all runs, once every run is done (with several
+                            presets and seeds, each preset's seeds pooled into an arm: --pool)
 
 Re-running the same command is how a sweep continues: a run whose summary.json says it is done
 is skipped, a run directory with a config.yaml is continued exactly as `keel train --resume`
@@ -206,9 +207,17 @@ def _run_all(out: Path, runs: list[PlannedRun], again: str) -> int:
         lift = summary.get("rl_lift/em")
         print(f"[keel] sweep {i}/{len(runs)}: {run} done" + (f" (dev EM {em:.3f})" if isinstance(em, (int, float)) else "")
               + (f", RL lift {lift:+.2f} (McNemar p={summary['rl_lift/p_value']:.3g})" if isinstance(lift, (int, float)) else ""), flush=True)
-    # All runs share a folder, so their names (<stem>-s<seed>) are unique; compare has no
-    # grouping of replicates, so seeds of one preset appear as rows next to each other.
-    result = compare_runs([out / r.name for r in runs], out=out / "compare.html")
+    # All runs share a folder, so their names (<stem>-s<seed>) are unique. Several presets over
+    # several seeds: each preset's seeds are pooled into one arm and arms are tested against each
+    # other (compare_runs(pool=True)); one preset: its seeds are tested against each other.
+    pool = len({r.preset for r in runs}) > 1 and len({r.seed for r in runs}) > 1
+    try:
+        result = compare_runs([out / r.name for r in runs], out=out / "compare.html", pool=pool)
+    except UserError as exc:  # two presets that differ only in run.* cannot be told apart as arms
+        if not pool:
+            raise
+        print(f"[keel] sweep: seeds not pooled ({exc}); comparing run against run", flush=True)
+        result = compare_runs([out / r.name for r in runs], out=out / "compare.html")
     atomic_write_text(out / "compare.txt", result["table"] + "\n")
     print(result["table"])
     print(f"wrote {out / 'compare.txt'} and {result['html']}")

@@ -265,3 +265,91 @@ def test_compare_figures_are_the_pages_curves_as_svg_files(two_runs, tmp_path):
     assert len(names) == page.count('<svg class="chart"')  # every chart of the page, no more
     texts = [t.text for t in ET.parse(tmp_path / "fig" / "compare-dev-em.svg").getroot().iter("{http://www.w3.org/2000/svg}text")]
     assert {"r-selfv", "r-selfv-gate"} <= set(texts)  # the legend names the runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Arms: seeds of one setting pooled
+# ---------------------------------------------------------------------------------------------
+
+
+def pooled_run(root: Path, name: str, reward: str, seed: int, em: list[int], threads: int = 2) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(f"reward:\n  name: {reward}\nrun:\n  seed: {seed}\n  threads: {threads}\n")
+    write_eval(run, 8, [{"task_id": f"q{i}", "em": v} for i, v in enumerate(em, start=1)])
+    return run
+
+
+def test_arms_pool_seeds_and_pair_by_seed_by_hand(tmp_path):
+    runs = [
+        pooled_run(tmp_path, "ra-s0", "r1", 0, [1, 1, 0, 0]),
+        pooled_run(tmp_path, "ra-s1", "r1", 1, [1, 0, 1, 0], threads=1),  # run.* other than the seed: same arm
+        pooled_run(tmp_path, "rb-s0", "r2", 0, [0, 1, 1, 0]),
+        pooled_run(tmp_path, "rb-s1", "r2", 1, [1, 1, 1, 1]),
+        pooled_run(tmp_path, "rc-s1", "r3", 1, [0, 0, 0, 0]),
+        pooled_run(tmp_path, "rc-s2", "r3", 2, [1, 1, 1, 1]),
+    ]
+    result = compare_runs(runs, tmp_path / "compare.html", pool=True)
+    assert result["tests"] == []  # no run-against-run tests when pooling
+    arms = {a["name"]: a for a in result["arms"]}
+    assert sorted(arms) == ["ra", "rb", "rc"]
+    assert [arms[n]["seeds"] for n in ("ra", "rb", "rc")] == [[0, 1], [0, 1], [1, 2]]
+    assert [(arms[n]["metrics"]["em"]["successes"], arms[n]["n"]) for n in ("ra", "rb", "rc")] == [(4, 8), (6, 8), (4, 8)]
+    assert (arms["rb"]["metrics"]["em"]["low"], arms["rb"]["metrics"]["em"]["high"]) == wilson_interval(6, 8)
+    assert arms["ra"]["settings"] == {"reward.name": "r1"}
+    tests = {(t["a"], t["b"]): t for t in result["arm_tests"]}
+    assert list(tests) == [("ra", "rb"), ("ra", "rc"), ("rb", "rc")]  # em only: the records have no cvt
+    # ra vs rb, seeds 0 and 1: seed 0 only ra q1, only rb q3; seed 1 only rb q2, q4 → 1 / 3 of 8 pairs;
+    # exact: 2·P[X ≤ 1], X ~ Bin(4, ½) = 2·5/16
+    ab = tests[("ra", "rb")]
+    assert (ab["seeds"], ab["n_common"], ab["b_only"], ab["c_only"], ab["method"]) == ([0, 1], 8, 1, 3, "exact")
+    assert ab["p_value"] == pytest.approx(0.625)
+    # ra vs rc share seed 1 only: 2 / 0 → 2·(1/4); rb vs rc: 4 / 0 → 2·(1/16)
+    assert (tests[("ra", "rc")]["seeds"], tests[("ra", "rc")]["b_only"], tests[("ra", "rc")]["c_only"]) == ([1], 2, 0)
+    assert [tests[k]["p_value"] for k in [("ra", "rc"), ("rb", "rc")]] == pytest.approx([0.5, 0.125])
+    # Holm over the three: 0.125·3 = 0.375, 0.5·2 = 1, 0.625·1 → running max 0.375, 1, 1
+    assert [tests[k]["p_holm"] for k in tests] == pytest.approx([1.0, 1.0, 0.375])
+    assert "Arms (runs whose configs differ only in run.*" in result["table"] and "reward.name=r2" in result["table"]
+    assert "McNemar tests between arms" in (tmp_path / "compare.html").read_text()
+
+
+def test_arms_refuse_two_runs_of_one_seed_and_a_run_without_config(tmp_path):
+    a = pooled_run(tmp_path, "x-s0", "r1", 0, [1, 0])
+    b = pooled_run(tmp_path / "again", "x-s0", "r1", 0, [0, 0])
+    with pytest.raises(ValueError, match=r"same setting and seed 0; an arm pairs its runs"):
+        compare_runs([a, b], pool=True)
+    (b / "config.yaml").unlink()
+    with pytest.raises(ValueError, match=r"again/x-s0/config.yaml is missing"):
+        compare_runs([a, b], pool=True)
+
+
+def test_compare_pool_on_the_command_line(tmp_path, capsys):
+    from keel.cli import main
+
+    runs = [pooled_run(tmp_path, f"{r}-s{s}", r, s, em) for r, s, em in
+            [("p", 0, [1, 1]), ("p", 1, [1, 0]), ("q", 0, [0, 0]), ("q", 1, [0, 0])]]
+    assert main(["compare", *map(str, runs), "--pool"]) == 0
+    out = capsys.readouterr().out
+    assert "3/4" in out and "0/4" in out  # p: 3 of 4 question-answers, q: none
+    rows = [[c for c in line.split("  ") if c.strip()] for line in out.splitlines()]
+    # p right on 3 (seed, question) pairs q missed, q on none: exact 2·P[X ≤ 0], X ~ Bin(3, ½) = 0.25
+    assert [c.strip() for c in rows[-1]] == ["p", "q", "em", "0,1", "4", "3", "0", "exact binomial", "0.000", "0.25", "0.25"]
+
+
+def test_a_sweep_of_several_presets_and_seeds_pools_each_preset(tmp_path, capsys):
+    from keel.sweep import PlannedRun, _run_all
+
+    spec = [("a", "r1", 0, [1, 1]), ("a", "r1", 1, [1, 0]), ("b", "r2", 0, [0, 1]), ("b", "r2", 1, [0, 0])]
+    runs = [PlannedRun(f"{p}-s{s}", f"configs/{p}.yaml", s, None, state="done") for p, _, s, _ in spec]
+    for p, reward, s, em in spec:
+        pooled_run(tmp_path, f"{p}-s{s}", reward, s, em)
+    assert _run_all(tmp_path, runs, again="keel sweep ...") == 0
+    table = (tmp_path / "compare.txt").read_text()
+    assert "Arms (runs whose configs differ only in run.*" in table and "3/4" in table and "1/4" in table
+    # presets that differ only in run.* cannot be arms: the sweep compares run against run instead
+    for name in ("b-s0", "b-s1"):
+        (tmp_path / name / "config.yaml").write_text(f"reward:\n  name: r1\nrun:\n  seed: {name[-1]}\n  threads: 1\n")
+    (tmp_path / "compare.txt").unlink()
+    assert _run_all(tmp_path, runs, again="keel sweep ...") == 0
+    assert "seeds not pooled" in capsys.readouterr().out
+    assert "Arms" not in (tmp_path / "compare.txt").read_text()
