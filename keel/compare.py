@@ -349,11 +349,20 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _run_config(run_dir: Path) -> dict[str, Any]:
+    """A run's config, flat, as this Keel reads it: keys added since the run was made take their
+    defaults, so runs of one setting made by different versions fall into one arm. A config this
+    version no longer accepts (a key since renamed) is compared as written."""
     import yaml
+
+    from keel.config import load_config, to_dict
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise UserError(f"compare --pool: {path} is missing: arms are read from each run's config")
+    try:
+        return _flat(to_dict(load_config(path)))
+    except (UserError, ValueError, TypeError):
+        pass
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:

@@ -353,3 +353,15 @@ def test_a_sweep_of_several_presets_and_seeds_pools_each_preset(tmp_path, capsys
     assert _run_all(tmp_path, runs, again="keel sweep ...") == 0
     assert "seeds not pooled" in capsys.readouterr().out
     assert "Arms" not in (tmp_path / "compare.txt").read_text()
+
+
+def test_arms_read_configs_as_this_version_does(tmp_path):
+    # a run made before a key existed (here: no detectors section) and one that writes the key's
+    # default are one setting: the missing key takes its default
+    old = pooled_run(tmp_path, "main-s0", "r_binary", 0, [1, 0])
+    new = pooled_run(tmp_path / "later", "main-s1", "r_binary", 1, [1, 1])
+    (new / "config.yaml").write_text("reward:\n  name: r_binary\ndetectors:\n  kl_spike:\n    min_tag_kl: 0.05\nrun:\n  seed: 1\n")
+    other = pooled_run(tmp_path, "selfv-s0", "r_selfv", 0, [0, 0])
+    arms = compare_runs([old, new, other], pool=True)["arms"]
+    assert [(a["name"], a["seeds"], a["settings"]) for a in arms] == [("main", [0, 1], {"reward.name": "r_binary"}),
+                                                                      ("selfv", [0], {"reward.name": "r_selfv"})]
