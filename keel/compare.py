@@ -518,6 +518,9 @@ def format_table(result: dict[str, Any]) -> str:
             parts += ["", f"McNemar tests between arms on the (seed, question) pairs both ran, discordant counts summed over seeds (exact "
                           f"binomial when fewer than {EXACT_BELOW}, else chi-square with continuity correction; Holm over these tests):",
                       _text_table(*arm_test_rows(result))]
+            untested = [f"{a['name']} and {b['name']}" for a, b in combinations(result["arms"], 2) if not set(a["seeds"]) & set(b["seeds"])]
+            if untested:
+                parts.append("note: not tested, no seed in common: " + "; ".join(untested))
         elif len(result["arms"]) > 1:
             parts += ["", "No McNemar tests between arms: no two arms share a seed and questions."]
     elif len(result["runs"]) > 1:

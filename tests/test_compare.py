@@ -311,6 +311,9 @@ def test_arms_pool_seeds_and_pair_by_seed_by_hand(tmp_path):
     assert [tests[k]["p_holm"] for k in tests] == pytest.approx([1.0, 1.0, 0.375])
     assert "Arms (runs whose configs differ only in run.*" in result["table"] and "reward.name=r2" in result["table"]
     assert "McNemar tests between arms" in (tmp_path / "compare.html").read_text()
+    assert "note: not tested" not in result["table"]  # every pair of arms shares a seed
+    solo = pooled_run(tmp_path, "rd-s5", "r4", 5, [1, 1, 1, 1])
+    assert "note: not tested, no seed in common: ra and rd; rb and rd; rc and rd" in compare_runs([*runs, solo], pool=True)["table"]
 
 
 def test_arms_refuse_two_runs_of_one_seed_and_a_run_without_config(tmp_path):
