@@ -116,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     cp.add_argument("--out", help="write the comparison page here (HTML)")
     cp.add_argument("--at", default="final", help="which eval of each run: final, peak (by EM) or a step number")
     cp.add_argument("--figures", metavar="DIR", help="also write each chart of the comparison as a standalone DIR/compare-<title>.svg")
+    cp.add_argument("--rl-axis", action="store_true", help="curves against RL steps done (supervision phases and SFT steps left "
+                    "out), so runs with interleaved phases line up with runs without")
     cp.add_argument("--pool", action="store_true", help="pool seeds: runs whose configs differ only in run.* form an arm; test arms "
                     "against each other on their (seed, question) pairs instead of every run against every run")
     return p
@@ -650,14 +652,14 @@ def _compare(args) -> int:
         if not Path(r).is_dir():
             raise FileNotFoundError(f"compare: run directory not found: {r}")
     at = int(args.at) if args.at.isdigit() else args.at
-    result = compare_runs([Path(r) for r in args.run_dirs], out=Path(args.out) if args.out else None, at=at, pool=args.pool)
+    result = compare_runs([Path(r) for r in args.run_dirs], out=Path(args.out) if args.out else None, at=at, pool=args.pool, rl_axis=args.rl_axis)
     print(result["table"])
     if result.get("html"):
         print(f"wrote {result['html']}")
     if args.figures:
         from keel.compare import write_comparison_figures
 
-        for path in write_comparison_figures(result, [Path(r) for r in args.run_dirs], args.figures):
+        for path in write_comparison_figures(result, [Path(r) for r in args.run_dirs], args.figures, args.rl_axis):
             print(f"wrote {path}")
     return 0
 

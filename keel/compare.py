@@ -284,6 +284,7 @@ def compare_runs(
     references: dict[str, dict[str, float]] | None = None,
     exact_below: int = EXACT_BELOW,
     pool: bool = False,
+    rl_axis: bool = False,
 ) -> dict[str, Any]:
     """Compare runs on their per-question eval results and, if `out` is given, write an HTML
     page overlaying their curves.
@@ -333,7 +334,7 @@ def compare_runs(
         result["arms"], result["arm_tests"] = pool_arms(dirs, runs, questions, exact_below)
     result["table"] = format_table(result)
     if out is not None:
-        atomic_write_text(Path(out), render_comparison(result, dirs))
+        atomic_write_text(Path(out), render_comparison(result, dirs, rl_axis))
         result["html"] = str(out)
     return result
 
@@ -532,27 +533,49 @@ def _html_table(header: list[str], rows: list[list[str]]) -> str:
     return "<table><tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>" + "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in r) + "</tr>" for r in rows) + "</table>"
 
 
-def comparison_charts(result: dict[str, Any], loaded: list) -> list[str]:
-    """The overlaid curves of every run, one chart per OVERLAY metric (HTML figures)."""
+def _on_rl_axis(points: list[tuple[int, float]], rl_step: dict[int, int | None]) -> list[tuple[int, float]]:
+    """Points re-placed at the RL steps done by their step (keel.report.rl_steps); points of SFT
+    steps are left out. A step no line logged (an eval recomputed from its file) takes the RL
+    count of the nearest logged step before it.
+
+    Worked example: rl_step {0: 0, 1: 1, 2: 2, 3: None, 5: 3}, points (0, a) (2, b) (3, c) (5, d)
+    (7, e) → (0, a) (2, b) (3, d) (3, e)."""
+    placed = sorted((s, r) for s, r in rl_step.items() if r is not None)
+    out = []
+    for step, value in points:
+        if step in rl_step:
+            if rl_step[step] is not None:
+                out.append((rl_step[step], value))
+            continue
+        before = [r for s, r in placed if s < step]
+        out.append((before[-1] if before else 0, value))
+    return out
+
+
+def comparison_charts(result: dict[str, Any], loaded: list, rl_axis: bool = False) -> list[str]:
+    """The overlaid curves of every run, one chart per OVERLAY metric (HTML figures).
+    rl_axis: x is RL steps done (supervision phases and SFT steps left out), so runs with
+    interleaved phases line up with runs without; else the logged step."""
     colours = {r["name"]: PALETTE[i % len(PALETTE)] for i, r in enumerate(result["runs"])}
     charts = []
     for key, title in OVERLAY:
-        lines = [Line(r["name"], run.series.get(key, []), colours[r["name"]], dots=key.startswith("eval/")) for r, run in zip(result["runs"], loaded)]
-        charts.append(line_chart(title, lines, y_range=(0.0, None), width=440))
+        lines = [Line(r["name"], _on_rl_axis(run.series.get(key, []), run.rl_step) if rl_axis else run.series.get(key, []), colours[r["name"]],
+                      dots=key.startswith("eval/")) for r, run in zip(result["runs"], loaded)]
+        charts.append(line_chart(title + (" (x: RL steps)" if rl_axis else ""), lines, y_range=(0.0, None), width=440))
     return charts
 
 
-def write_comparison_figures(result: dict[str, Any], dirs: list[Path], out_dir: str | os.PathLike) -> list[Path]:
+def write_comparison_figures(result: dict[str, Any], dirs: list[Path], out_dir: str | os.PathLike, rl_axis: bool = False) -> list[Path]:
     """The comparison's curves as standalone `out_dir/compare-<title>.svg` files (keel.report.write_svgs)."""
     from keel.report import write_svgs
 
-    return write_svgs([("compare", chart) for chart in comparison_charts(result, [load_run(d) for d in dirs])], out_dir)
+    return write_svgs([("compare", chart) for chart in comparison_charts(result, [load_run(d) for d in dirs], rl_axis)], out_dir)
 
 
-def render_comparison(result: dict[str, Any], dirs: list[Path]) -> str:
+def render_comparison(result: dict[str, Any], dirs: list[Path], rl_axis: bool = False) -> str:
     """HTML page: overlaid curves of every run, the metric table and the tests."""
     loaded = [load_run(d) for d in dirs]
-    charts = comparison_charts(result, loaded)
+    charts = comparison_charts(result, loaded, rl_axis)
     body = [
         f"<h1>Keel comparison of {len(loaded)} runs</h1>",
         f'<p class="note">{escape(", ".join(str(d.resolve()) for d in dirs))}</p>',

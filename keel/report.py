@@ -61,6 +61,29 @@ def metric_series(rows: Iterable[dict[str, Any]]) -> dict[str, list[tuple[int, f
     return {k: sorted(v.items()) for k, v in by_key.items()}
 
 
+def rl_steps(rows: Iterable[dict[str, Any]]) -> dict[int, int | None]:
+    """step -> RL steps done by then, for every logged step; None for a step written by an SFT
+    line (the warm-start or an interleaved supervision phase), which has no place on an RL-step
+    axis. The x positions that line runs with supervision phases up against runs without. A step
+    logged twice keeps its later line, as in `metric_series`.
+
+    Worked example: phases 0 eval, 1 rl, 2 rl, 3 sft, 4 sft, 5 rl
+    → {0: 0, 1: 1, 2: 2, 3: None, 4: None, 5: 3}.
+    """
+    phase_of: dict[int, Any] = {}
+    for row in rows:
+        step = row.get(metrics.STEP)
+        if isinstance(step, int) and not isinstance(step, bool):
+            phase_of[step] = row.get(metrics.PHASE)
+    out: dict[int, int | None] = {}
+    done = 0
+    for step in sorted(phase_of):
+        if phase_of[step] == "rl":
+            done += 1
+        out[step] = None if phase_of[step] == "sft" else done
+    return out
+
+
 @dataclass
 class Run:
     """Everything the report reads from one run directory; absent parts stay empty."""
@@ -74,6 +97,7 @@ class Run:
     samples: dict[int, Path] = field(default_factory=dict)
     evals: dict[int, Path] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    rl_step: dict[int, int | None] = field(default_factory=dict)  # step -> RL steps done, None for SFT steps (`rl_steps`)
 
     @property
     def steps(self) -> tuple[int, int] | None:
@@ -94,6 +118,7 @@ def load_run(run_dir: str | os.PathLike) -> Run:
         run.config_text = config.read_text(encoding="utf-8", errors="replace")
     files = read_run(directory)
     run.series = metric_series(files.metrics)
+    run.rl_step = rl_steps(files.metrics)
     run.problems += files.problems["metrics.jsonl"]
     run.alerts = [r for r in files.alerts if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
     run.problems += files.problems["alerts.jsonl"]

@@ -368,3 +368,40 @@ def test_arms_read_configs_as_this_version_does(tmp_path):
     arms = compare_runs([old, new, other], pool=True)["arms"]
     assert [(a["name"], a["seeds"], a["settings"]) for a in arms] == [("main", [0, 1], {"reward.name": "r_binary"}),
                                                                       ("selfv", [0], {"reward.name": "r_selfv"})]
+
+
+# ---------------------------------------------------------------------------------------------
+# Curves against RL steps
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rl_axis_by_hand(tmp_path):
+    from keel.compare import _on_rl_axis
+    from keel.report import rl_steps
+
+    rows = [{"step": 0, "phase": "eval"}, {"step": 1, "phase": "rl"}, {"step": 2, "phase": "rl"}, {"step": 3, "phase": "sft"},
+            {"step": 4, "phase": "sft"}, {"step": 5, "phase": "rl"}, {"step": 4, "phase": "sft"}]
+    assert rl_steps(rows) == {0: 0, 1: 1, 2: 2, 3: None, 4: None, 5: 3}
+    assert rl_steps([{"step": 1, "phase": "sft"}, {"step": 1, "phase": "rl"}]) == {1: 1}  # a re-logged step keeps its later line
+    placed = _on_rl_axis([(0, 0.6), (2, 0.4), (3, 9.0), (5, 0.5), (7, 0.7)], {0: 0, 1: 1, 2: 2, 3: None, 5: 3})
+    assert placed == [(0, 0.6), (2, 0.4), (3, 0.5), (3, 0.7)]
+
+
+def test_compare_on_the_rl_axis_writes_its_figures(tmp_path):
+    import keel.cli
+
+    runs = []
+    for name, phases in [("plain", ["eval", "rl", "rl", "rl"]), ("phased", ["eval", "rl", "sft", "sft", "rl", "rl"])]:
+        run = tmp_path / name
+        run.mkdir()
+        lines = [{"step": i, "phase": p, "reward/mean": 0.1 * i} for i, p in enumerate(phases)]
+        lines[-1]["eval/em"] = 0.5
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        write_eval(run, len(phases) - 1, [{"task_id": "q1", "em": 1}, {"task_id": "q2", "em": 0}])
+        runs.append(run)
+    assert keel.cli.main(["compare", *map(str, runs), "--rl-axis", "--out", str(tmp_path / "c.html"), "--figures", str(tmp_path / "fig")]) == 0
+    assert "compare-dev-em-x-rl-steps.svg" in {p.name for p in (tmp_path / "fig").iterdir()}
+    assert "dev EM (x: RL steps)" in (tmp_path / "c.html").read_text()
+    from keel.report import load_run
+
+    assert [load_run(r).rl_step for r in runs] == [{0: 0, 1: 1, 2: 2, 3: 3}, {0: 0, 1: 1, 2: None, 3: None, 4: 2, 5: 3}]
