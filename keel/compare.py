@@ -340,6 +340,7 @@ def compare_runs(
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config mapping as written, flat: {"grpo": {"lr": 1e-5}} → {"grpo.lr": 1e-5}."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         if isinstance(v, dict):
@@ -355,13 +356,13 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
     version no longer accepts (a key since renamed) is compared as written."""
     import yaml
 
-    from keel.config import load_config, to_dict
+    from keel.config import leaves, load_config
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise UserError(f"compare --pool: {path} is missing: arms are read from each run's config")
     try:
-        return _flat(to_dict(load_config(path)))
+        return leaves(load_config(path))
     except (UserError, ValueError, TypeError):
         pass
     try:
