@@ -336,3 +336,41 @@ def test_em_at_zero_with_calls_and_answers_intact_is_not_mode_1(tmp_path):
     assert d["mode"] == "sparse_format_collapse"
     entropy = next(s for s in d["evidence"]["signals"] if s["signal"].startswith("entropy"))
     assert entropy["value"] == 1.0 and entropy["satisfied"] is False  # the untrained steps' 0.0 left out
+
+
+def test_warning_times_the_first_train_step_alert_against_the_eval_that_showed_the_fall(tmp_path):
+    # results/claim6/lr2e-5/ladder_r_selfv-lr2e-5-s2's shape: kl_spike at 5, EM 0.60 → 0.50 → 0.00
+    # at the evals of steps 0, 3, 6, the cliff (eval-driven) and call_volume on the eval's calls at
+    # 6, and a training reward that never fell to half its first value.
+    ems = {0: 0.6, 3: 0.5, 6: 0.0}
+    rewards = [0.5, 0.6, 0.5, 0.6, 0.7, 0.6]
+    lines = [{"step": 0, "eval/em": 0.6}] + [{"step": s, "reward/mean": rewards[s - 1]} | ({"eval/em": ems[s]} if s in ems else {}) for s in range(1, 7)]
+    alerts = [{"step": 5, "kind": "kl_spike", "evidence": {"series": {"kl/tag/<tool_call>": {"value": 0.078}}}},
+              {"step": 6, "kind": "cliff", "evidence": {}},
+              {"step": 6, "kind": "call_volume", "evidence": {"series": "eval/tools_per_question"}}]
+    w = diagnose(write_run(tmp_path / "warned", lines, alerts=alerts))["evidence"]["warning"]
+    assert w == {"fall_step": 6, "fall": [0.5, 0.0], "previous_eval_step": 3,
+                 "warnings": [{"step": 5, "kind": "kl_spike", "on": ["kl/tag/<tool_call>"]}],
+                 "first_warning_step": 5, "lead_steps": 1, "reward_fell_step": None, "reward_first": 0.5}
+    text = format_diagnosis(diagnose(tmp_path / "warned"))
+    assert "warning: first train-step alert kl_spike on kl/tag/<tool_call> at step 5, 1 step(s) before the eval that showed the fall (step 6: EM 0.5 → 0.0" in text
+
+    # A run that fell, recovered and fell again is timed from its last fall: the peak is the best
+    # eval since the first fall (0.5 at step 4), an alert before it does not count, and the reward
+    # is judged from its first value after that peak (0.4 at step 5 → 0.1 at step 6).
+    ems = {0: 0.6, 2: 0.1, 4: 0.5, 6: 0.0}
+    rewards = {1: 0.5, 2: 0.1, 3: 0.3, 4: 0.4, 5: 0.4, 6: 0.1}
+    lines = [{"step": 0, "eval/em": 0.6}] + [{"step": s, "reward/mean": rewards[s]} | ({"eval/em": ems[s]} if s in ems else {}) for s in range(1, 7)]
+    alerts = [{"step": 3, "kind": "kl_spike", "evidence": {"series": {"kl/control_share": {}}}}, {"step": 5, "kind": "entropy", "evidence": {}},
+              {"step": 6, "kind": "call_volume", "evidence": {"series": "tools/per_question"}}]
+    w = diagnose(write_run(tmp_path / "twice", lines, alerts=alerts))["evidence"]["warning"]
+    assert (w["fall_step"], w["fall"], w["previous_eval_step"]) == (6, [0.5, 0.0], 4)
+    assert w["warnings"] == [{"step": 5, "kind": "entropy"}, {"step": 6, "kind": "call_volume"}]
+    assert (w["first_warning_step"], w["lead_steps"], w["reward_fell_step"], w["reward_first"]) == (5, 1, 6, 0.4)
+
+    # No alert before a one-update collapse; none of this for a run whose EM never fell.
+    lines = [{"step": 0, "eval/em": 0.6}, {"step": 1, "reward/mean": 0.69}, {"step": 2, "reward/mean": 0.12, "eval/em": 0.08}]
+    w = diagnose(write_run(tmp_path / "sudden", lines, alerts=[{"step": 2, "kind": "cliff", "evidence": {}}]))["evidence"]["warning"]
+    assert (w["warnings"], w["first_warning_step"], w["lead_steps"], w["reward_fell_step"]) == ([], None, None, 2)
+    assert "no train-step alert before the eval that showed the fall (step 2: EM 0.6 → 0.08" in format_diagnosis(diagnose(tmp_path / "sudden"))
+    assert diagnose(write_run(tmp_path / "held", [{"step": 0, "eval/em": 0.6}, {"step": 2, "eval/em": 0.55}]))["evidence"]["warning"] == {}

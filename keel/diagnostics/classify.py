@@ -36,6 +36,12 @@ with samples too. With no mode qualifying, a run whose dev EM ended at ≤ 50% o
 fits (e.g. results/claim6/ladder_r_selfv-s1: 0.60 → 0.16 with calls held at two); otherwise it
 is "healthy". Both verdicts by absence are as confident as the number of signal families that
 were there to look at.
+
+Whatever the mode, `evidence.warning` times the run's last fall of dev EM against the alerts:
+the first train-step alert (KL spike, entropy, format drift, proxy gaming, training call volume)
+after the peak and at or before the eval that showed the fall, its lead in steps, and the step
+the training reward fell to half its first value after the peak — paper A's claim 1 asks for
+an alert before the score shows the collapse.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from keel.metrics import (
     EVAL_TOOLS_PER_QUESTION,
     KL_CONTROL_SHARE,
     LOSS_TRAINED_MEMBERS,
+    REWARD_MEAN,
     TOKENS_ENTROPY,
     TOKENS_TAG_BALANCE,
     TOOLS_PER_QUESTION,
@@ -222,6 +229,66 @@ def _unnamed_fall(em: list[tuple[int, float]]) -> dict[str, Any] | None:
     return f if f is not None and f["peak"] >= 0.1 and f["em"] <= 0.5 * f["peak"] and f["peak"] - f["em"] >= 0.1 else None
 
 
+# Alerts a train step can raise before any eval: the cliff reads dev EM, and call_volume on
+# eval/tools_per_question reads the eval too, so neither can come before the score shows it.
+TRAIN_STEP_ALERTS = ("kl_spike", "entropy", "format_drift", "proxy_gaming", "call_volume")
+
+
+def _last_fall(em: list[tuple[int, float]]) -> dict[str, Any] | None:
+    """The eval that first showed the run's last collapse: evals standing at ≤ 50% of the running
+    peak (peak ≥ 0.1, at least 0.1 lower) are "down"; the last stretch of such evals starts at
+    the fall, and its peak is the best eval between the stretch before it (if any) and the fall —
+    a run that recovered and fell again is timed from its second fall
+    (results/claim2b/a-interleaved_sft-s2: 0.60 → 0.14, back to 0.48, then 0.00). Returns
+    {"step", "em", "peak", "peak_step", "previous_step", "previous_em"}, or None if no eval was down.
+    """
+    down, peak = [], -1.0
+    for i, (_, v) in enumerate(em):
+        down.append(bool(i) and peak >= 0.1 and v <= 0.5 * peak and peak - v >= 0.1)
+        peak = max(peak, v)
+    if not any(down):
+        return None
+    start = max(i for i, d in enumerate(down) if d)
+    while down[start - 1]:
+        start -= 1
+    before = max((i for i in range(start) if down[i]), default=-1)
+    peak_step, peak = max(em[before + 1 : start], key=lambda p: (p[1], -p[0]))
+    step, v = em[start]
+    return {"step": step, "em": v, "peak": peak, "peak_step": peak_step, "previous_step": em[start - 1][0], "previous_em": em[start - 1][1]}
+
+
+def _warning(run: RunData) -> dict[str, Any]:
+    """Did an alert come before the dev score showed the collapse (paper A's claim 1 asks it)?
+
+    The fall is `_last_fall`'s eval; warnings are the train-step alerts (TRAIN_STEP_ALERTS,
+    call_volume only on the training series) after the peak eval and at or before the fall;
+    `lead_steps` = fall step − first warning's step. The training reward "fell" at the first step
+    after the peak where `reward/mean` was ≤ half its first value after the peak (None: it never
+    did). {} when dev EM never fell.
+    """
+    fall = _last_fall(run.series(EVAL_EM))
+    if fall is None:
+        return {}
+    warnings = []
+    for a in run.alerts:
+        step, kind = a.get("step"), a.get("kind")
+        if not _is_number(step) or kind not in TRAIN_STEP_ALERTS or not fall["peak_step"] < step <= fall["step"]:
+            continue
+        series = (a.get("evidence") or {}).get("series") if isinstance(a.get("evidence"), dict) else None
+        if kind == "call_volume" and series != TOOLS_PER_QUESTION:
+            continue
+        on = sorted(series) if kind == "kl_spike" and isinstance(series, dict) else None
+        warnings.append({"step": int(step), "kind": kind} | ({"on": on} if on else {}))
+    warnings.sort(key=lambda w: w["step"])
+    rewards = [(s, v) for s, v in run.series(REWARD_MEAN) if s > fall["peak_step"]]
+    reward_fell = next((s for s, v in rewards[1:] if v <= 0.5 * rewards[0][1]), None) if rewards and rewards[0][1] > 0 else None
+    out: dict[str, Any] = {"fall_step": fall["step"], "fall": [_rounded(fall["previous_em"]), _rounded(fall["em"])], "previous_eval_step": fall["previous_step"],
+                           "warnings": warnings, "first_warning_step": warnings[0]["step"] if warnings else None,
+                           "lead_steps": fall["step"] - warnings[0]["step"] if warnings else None,
+                           "reward_fell_step": reward_fell, "reward_first": _rounded(rewards[0][1]) if rewards else None}
+    return out
+
+
 def _value_near(points: list[tuple[int, float]], step: int) -> float | None:
     before = [v for s, v in points if s <= step]
     return before[-1] if before else None
@@ -377,8 +444,9 @@ def _examples(mode: str, run: RunData) -> list[dict[str, Any]]:
 def diagnose(run_dir: Path | str) -> dict[str, Any]:
     """Classify a run directory into one of `MODES`; write `run_dir/diagnosis.json` atomically.
 
-    Returns {"mode", "confidence", "evidence": {"signals", "scores", "late", "steps",
-    "examples", "alerts", "read", "bad_lines"}}.
+    Returns {"mode", "confidence", "evidence": {"signals", "scores", "late", "steps", "warning",
+    "examples", "alerts", "read", "bad_lines"}}; "warning" (`_warning`) says whether a
+    train-step alert came before the eval that showed the run's last fall, whatever the mode.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -421,6 +489,7 @@ def diagnose(run_dir: Path | str) -> dict[str, Any]:
             "scores": scores,
             "late": context["late"],
             "steps": steps,
+            "warning": _warning(run),
             "examples": _examples(mode, run),
             "alerts": dict(Counter(str(a.get("kind")) for a in run.alerts)),
             "read": read,
@@ -447,6 +516,14 @@ def format_diagnosis(d: dict[str, Any]) -> str:
         lines.append(f"  [{mark}] {s['signal']}: {s['value']}")
     if ev.get("steps"):
         lines.append("steps: " + ", ".join(f"{k} {v}" for k, v in ev["steps"].items()))
+    w = ev.get("warning")
+    if w:
+        first = next(iter(w["warnings"]), None)
+        said = (f"first train-step alert {first['kind']}" + (f" on {', '.join(first['on'])}" if first.get("on") else "") + f" at step {first['step']}, "
+                f"{w['lead_steps']} step(s) before" if first else "no train-step alert before")
+        reward = f"training reward fell to half its first value ({w['reward_first']}) at step {w['reward_fell_step']}" if w["reward_fell_step"] is not None else (
+            "training reward never fell to half its first value" if w["reward_first"] is not None else "no training reward logged")
+        lines.append(f"warning: {said} the eval that showed the fall (step {w['fall_step']}: EM {w['fall'][0]} → {w['fall'][1]}, previous eval step {w['previous_eval_step']}); {reward}")
     for ex in ev.get("examples", []):
         lines.append(f"  e.g. step {ex['step']} #{ex['index']} ({ex['task_id']}): {ex['snippet']}")
     if ev.get("bad_lines"):
