@@ -272,11 +272,12 @@ def sft_phase(run: Run) -> bool:
         p.step += 1
         batch = [examples[i] for i in next_batch(run, p.sft_order, cfg.sft.batch_size, len(examples))]
         t0 = time.time()
+        lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses; the scheduler then moves to the next
         stats = sharded_sft_step(step, run.model, run.optimizer, batch, run.ctx, cfg.grpo.max_grad_norm)  # keel.distributed
         run.scheduler.step()
         run.model.zero_grad(set_to_none=True)  # no gradient lives between steps (~0.5 GB for SmolLM2)
         p.sft_done += 1
-        log(run, {M.PHASE: "sft", **stats, M.OPTIM_LR: run.scheduler.get_last_lr()[0], M.TIME_UPDATE: time.time() - t0})
+        log(run, {M.PHASE: "sft", **stats, M.OPTIM_LR: lr, M.TIME_UPDATE: time.time() - t0})
         bar.set_postfix(loss=f"{stats[M.LOSS_SFT]:.3f}")
         bar.update(1)
         interrupted = interrupted_anywhere(run)
@@ -377,6 +378,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     old_from_policy = signals.old_from_policy(members, other_sampler=run.sampler is not run.model or cfg.model.autocast)
     release_weights(run.sampler, run.model)  # refilled by copy_weights after the update
     sink: list = []
+    lr = run.scheduler.get_last_lr()[0]  # the rate this update uses (logged as optim/lr); the scheduler then moves on
     update = ShardedUpdate(run.optimizer, run.model, members, adv, g, ctx)  # one process: run.optimizer and g as they are
     stats = update.finish(grpo_update(run.model, run.ref_model, update.optimizer, members, adv, update.grpo, run.pad_id, cfg.rollout.temperature,
                                       telemetry_sink=sink, old_from_policy=old_from_policy, extra_losses=extra,
@@ -389,7 +391,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     t_update = time.time() - t1
     # the structural states read <tool_call> blocks: a healthy Llama-3.1 bare-JSON call would count as full collapse
     line = rl_step_metrics(trajs, rows, groups, len(batch_tasks), stats, signal_line, sink, run.pieces, run.freq_baseline,
-                           structural=run.chat is None or run.chat.family == "hermes", lr=run.scheduler.get_last_lr()[0],
+                           structural=run.chat is None or run.chat.family == "hermes", lr=lr,
                            t_rollout=t_rollout, t_update=t_update)
     if p.rl_done % cfg.eval.every == 0 or p.rl_done == g.steps:
         line.update(evaluate_rl(run))  # and keep the peak: checkpoints/peak

@@ -129,3 +129,14 @@ def test_the_reference_rebuilt_on_resume_loads_the_saved_weights_before_untying_
     want = models.frozen_reference(saved, autocast=True)
     for (n, a), (_, b) in zip(rebuilt.named_parameters(), want.named_parameters()):
         assert a.dtype == b.dtype and torch.equal(a, b), n
+
+
+def test_optim_lr_is_the_rate_each_update_used(tmp_path):
+    # A linear warm-up over 2 steps: the first update of each phase runs at half the rate, the
+    # second at the full rate (the scheduler moves on after the update; optim/lr once logged the
+    # next step's rate, so a warm-up looked one step further along than it was).
+    out = train_cli(tmp_path, "run", "configs/smoke.yaml", "--set", "sft.lr=1e-4", "--set", "sft.warmup_steps=2",
+                    "--set", "grpo.lr=1e-5", "--set", "grpo.warmup_steps=2")
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = [(d["phase"], d["optim/lr"]) for d in lines if "optim/lr" in d]
+    assert lrs == [("sft", pytest.approx(5e-5)), ("sft", pytest.approx(1e-4)), ("rl", pytest.approx(5e-6)), ("rl", pytest.approx(1e-5))]
