@@ -141,7 +141,10 @@ class SFTConfig:
 class GRPOConfig:
     steps: int = doc(10, "GRPO steps")
     lr: float = doc(1e-6, "RL learning rate (paper A: 1e-6; with interleaving 1e-5 was better)")
-    warmup_steps: int = doc(0, "linear warm-up steps (paper A: 10)")
+    # Without one, AdamW's first updates move every weight by about lr (m/sqrt(v) ≈ ±1 with few
+    # gradients seen): R-binary from the ladder SFT lost 0.60 → 0.22 dev EM in one update at 3e-5
+    # (docs/RESULTS.md, claim 1).
+    warmup_steps: int = doc(0, "linear warm-up steps of the RL rate (paper A: 10); without one AdamW's first update moves every weight by about lr")
     clip_low: float = doc(0.2, "PPO clip range below 1 (ratio floor 1 - clip_low)")
     clip_high: float = doc(0.2, "PPO clip range above 1 (DAPO clip-higher uses 0.28)")
     kl_coef: float = doc(1e-4, "coefficient of the KL-to-reference loss (paper A: 1e-4; paper B notes: 0.05)")
