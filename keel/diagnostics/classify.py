@@ -222,11 +222,16 @@ def _fell_from_peak(em: list[tuple[int, float]]) -> bool | None:
     return None if f is None else f["peak"] >= 0.1 and f["em"] <= 0.3 * f["peak"]
 
 
+def _halved(peak: float, em: float) -> bool:
+    """Dev EM stands at ≤ 50% of a peak ≥ 0.1 and at least 0.1 below it: the run's score fell."""
+    return peak >= 0.1 and em <= 0.5 * peak and peak - em >= 0.1
+
+
 def _unnamed_fall(em: list[tuple[int, float]]) -> dict[str, Any] | None:
-    """The last eval at ≤ 50% of the peak before it (peak ≥ 0.1, at least 0.1 lower): dev EM fell
-    and stayed down, whatever the shape. None otherwise, or with fewer than two evals."""
+    """The last eval at ≤ 50% of the peak before it (`_halved`): dev EM fell and stayed down,
+    whatever the shape. None otherwise, or with fewer than two evals."""
     f = _last_against_peak(em)
-    return f if f is not None and f["peak"] >= 0.1 and f["em"] <= 0.5 * f["peak"] and f["peak"] - f["em"] >= 0.1 else None
+    return f if f is not None and _halved(f["peak"], f["em"]) else None
 
 
 # Alerts a train step can raise before any eval: the cliff reads dev EM, and call_volume on
@@ -235,8 +240,8 @@ TRAIN_STEP_ALERTS = ("kl_spike", "entropy", "format_drift", "proxy_gaming", "cal
 
 
 def _last_fall(em: list[tuple[int, float]]) -> dict[str, Any] | None:
-    """The eval that first showed the run's last collapse: evals standing at ≤ 50% of the running
-    peak (peak ≥ 0.1, at least 0.1 lower) are "down"; the last stretch of such evals starts at
+    """The eval that first showed the run's last collapse: evals `_halved` against the running
+    peak are "down"; the last stretch of such evals starts at
     the fall, and its peak is the best eval between the stretch before it (if any) and the fall —
     a run that recovered and fell again is timed from its second fall
     (results/claim2b/a-interleaved_sft-s2: 0.60 → 0.14, back to 0.48, then 0.00). Returns
@@ -244,7 +249,7 @@ def _last_fall(em: list[tuple[int, float]]) -> dict[str, Any] | None:
     """
     down, peak = [], -1.0
     for i, (_, v) in enumerate(em):
-        down.append(bool(i) and peak >= 0.1 and v <= 0.5 * peak and peak - v >= 0.1)
+        down.append(bool(i) and _halved(peak, v))
         peak = max(peak, v)
     if not any(down):
         return None
@@ -274,7 +279,7 @@ def _warning(run: RunData) -> dict[str, Any]:
         step, kind = a.get("step"), a.get("kind")
         if not _is_number(step) or kind not in TRAIN_STEP_ALERTS or not fall["peak_step"] < step <= fall["step"]:
             continue
-        series = (a.get("evidence") or {}).get("series") if isinstance(a.get("evidence"), dict) else None
+        series = a["evidence"].get("series") if isinstance(a.get("evidence"), dict) else None
         if kind == "call_volume" and series != TOOLS_PER_QUESTION:
             continue
         on = sorted(series) if kind == "kl_spike" and isinstance(series, dict) else None
@@ -282,11 +287,10 @@ def _warning(run: RunData) -> dict[str, Any]:
     warnings.sort(key=lambda w: w["step"])
     rewards = [(s, v) for s, v in run.series(REWARD_MEAN) if s > fall["peak_step"]]
     reward_fell = next((s for s, v in rewards[1:] if v <= 0.5 * rewards[0][1]), None) if rewards and rewards[0][1] > 0 else None
-    out: dict[str, Any] = {"fall_step": fall["step"], "fall": [_rounded(fall["previous_em"]), _rounded(fall["em"])], "previous_eval_step": fall["previous_step"],
-                           "warnings": warnings, "first_warning_step": warnings[0]["step"] if warnings else None,
-                           "lead_steps": fall["step"] - warnings[0]["step"] if warnings else None,
-                           "reward_fell_step": reward_fell, "reward_first": _rounded(rewards[0][1]) if rewards else None}
-    return out
+    first = warnings[0]["step"] if warnings else None
+    return {"fall_step": fall["step"], "fall": [_rounded(fall["previous_em"]), _rounded(fall["em"])], "previous_eval_step": fall["previous_step"],
+            "warnings": warnings, "first_warning_step": first, "lead_steps": None if first is None else fall["step"] - first,
+            "reward_fell_step": reward_fell, "reward_first": _rounded(rewards[0][1]) if rewards else None}
 
 
 def _value_near(points: list[tuple[int, float]], step: int) -> float | None:
