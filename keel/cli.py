@@ -79,9 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--heldout-classes", default="", help="bfcl: API classes held out as content-OOD, e.g. TravelAPI,TicketAPI")
     e.add_argument("--categories", default="", help="bfcl/acebench: comma-separated categories (default: all multi-turn / all)")
     e.add_argument("--limit", type=int, default=0, help="evaluate only the first N questions (0: all)")
-    e.add_argument("--max-turns", type=int, default=None, help="assistant turns per episode (default 5; with --config: rollout.max_turns)")
+    e.add_argument("--max-turns", type=int, default=None, help="kg: assistant turns per episode (default 5; with --config: rollout.max_turns); bfcl/acebench follow the benchmark's own step limit")
     e.add_argument("--max-new-tokens", type=int, default=128, help="model policies: tokens per turn")
     e.add_argument("--batch-size", type=int, default=16, help="model policies: episodes per batched rollout")
+    e.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "auto"],
+                   help="model policies without --config: weights' dtype (default float32; bfloat16 ~2.5x faster on a CPU that multiplies bf16 natively, "
+                        "greedy outputs may differ; auto: bfloat16 where the device does, keel.models.native_bf16); with --config: --set model.dtype")
     e.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
 
     d = sub.add_parser("data", help="generate or check datasets", description="Dataset tools.")
@@ -344,6 +347,8 @@ def _eval(args) -> int:
     if args.config:
         if args.env or args.data or args.kb:
             raise UserError("eval --config takes its env and data from the preset; do not also give --env, --data or --kb")
+        if args.dtype:
+            raise UserError("eval --config takes the model's dtype from the preset: use --set model.dtype=bfloat16, not --dtype")
         _check_policy(args)
         summary = _holding(out, lambda: _config_eval(args, out))
         print(json.dumps(summary, indent=2))
@@ -388,9 +393,20 @@ def _holding(out: Path, evaluate):
             raise
 
 
+def _policy_dtype(args) -> str:
+    """--dtype for a model policy: float32 by default, auto resolved for the CPU."""
+    if args.dtype == "auto":
+        from keel.models import native_bf16
+
+        return "bfloat16" if native_bf16("cpu") else "float32"
+    return args.dtype or "float32"
+
+
 def _check_policy(args) -> None:
     """--policy (an endpoint's arguments, or a model directory) is checked before the output
     directory exists; its errors name --policy, not the training config's model.name."""
+    if args.dtype and args.policy in ("oracle", "null", "endpoint"):
+        raise UserError(f"eval --dtype applies to a model policy, not --policy {args.policy}")
     if args.policy == "endpoint":
         _endpoint(args, None)
     elif args.policy not in ("oracle", "null"):
@@ -416,7 +432,7 @@ def _kg_eval(args, env, store, tasks) -> tuple[dict, list[dict]]:
         from keel.models import load_model
         from keel.rollout import SamplingParams
 
-        model, tok = load_model(args.policy, what="--policy")
+        model, tok = load_model(args.policy, _policy_dtype(args), what="--policy")
         params = SamplingParams(greedy=True, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_total_tokens=4096)
         means, rows, trajs = evaluate_model(model, tok, env, tasks, params, args.batch_size)
     from keel.diagnostics.errors import decompose_errors
@@ -542,15 +558,13 @@ def _fc_eval(args) -> dict:
         if policy == "endpoint":
             def factory(fmt):
                 return _endpoint(args, lambda task: env_for(args.env, task, fmt).tools(task))
-        else:
-            from keel.evaluate import model_text_policy
+            policy = PolicyFactory(factory)
+        else:  # a local model: greedy, batched rollouts of --batch-size episodes
+            from keel.fc.evaluate import ModelPolicy
             from keel.models import load_model
 
-            model, tok = load_model(policy, what="--policy")
-
-            def factory(fmt):
-                return model_text_policy(model, tok, lambda task: env_for(args.env, task, fmt).tools(task), args.max_new_tokens)
-        policy = PolicyFactory(factory)
+            model, tok = load_model(policy, _policy_dtype(args), what="--policy")
+            policy = ModelPolicy(model, tok, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
     if args.env == "acebench" and not args.data:
         raise UserError("eval --env acebench needs --data DIR (ACEBench's data_en directory)")
     from keel.endpoint import EndpointError

@@ -51,6 +51,11 @@ class SamplingParams:
     max_turns: int = 4  # assistant turns per episode
     max_new_tokens: int = 128  # per assistant turn
     max_total_tokens: int = 2048  # whole episode, prompt included
+    # A turn cut at max_new_tokens: "stop" ends the episode as truncated (training's rule: a cut
+    # turn is not a turn the model finished); "continue" closes the turn with the end-of-turn
+    # token and processes its text like any other turn, as benchmark harnesses treat a model's
+    # output (bfcl-eval parses whatever came back). Evaluation only; Hermes layout only.
+    on_cut: str = "stop"
 
 
 HINT_POSITIONS = ("system", "user")
@@ -198,12 +203,19 @@ def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, obj
     prefix (system block with the tool schemas, ~600 tokens for the KG env): it is encoded once
     and, when keel.cascade's attention is active, kept once in every layer; otherwise
     the cache is repeated over the batch. The ragged remainders (the questions) then go in as
-    one right-aligned block. Without a shared prefix, each distinct prompt is encoded alone.
+    one right-aligned block. Without a shared prefix, or when the remainders are longer than it
+    and the distinct prompts hold no more tokens than the padded block (long prompts sharing
+    little: BFCL's tasks list different APIs after a ~200-token common start), each distinct
+    prompt is encoded alone: the block's padding
+    mask rules out the causal attention kernel, and its attention over thousands of columns is
+    then materialised (5 BFCL prompts of 3–4.7k tokens: 83 s as one block, 33 s one by one, fp32;
+    LOG.md, twenty-fourth session).
     """
     B = len(prompts)
     first = prompts[0]
     lcp = common_prefix_len(prompts)
-    if lcp == 0:
+    width = max(len(p) for p in prompts) - lcp
+    if lcp == 0 or (width > lcp and sum(len(p) for p in set(map(tuple, prompts))) <= lcp + B * width):
         return _prefill_each(model, prompts, device)
     ids = torch.tensor([first[:lcp]], device=device)
     out = model(input_ids=ids, past_key_values=_growing_cache(), use_cache=True, logits_to_keep=_last_column(ids))
@@ -216,7 +228,6 @@ def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, obj
     else:
         cache.batch_repeat_interleave(B)
     rest = [p[lcp:] for p in prompts]
-    width = max(len(r) for r in rest)
     feed = torch.zeros(B, width, dtype=torch.long, device=device)
     block = torch.zeros(B, width, dtype=torch.long, device=device)
     positions = torch.zeros(B, width, dtype=torch.long, device=device)
@@ -347,6 +358,7 @@ def rollout(
     hint_position: str = "system",
     lean: bool = True,
     chat: ChatTemplate | None = None,
+    turn_limits: Sequence[int] | None = None,
 ) -> list[Trajectory]:
     """Run one episode per task (repeat a task for a group) and return their trajectories.
 
@@ -360,11 +372,18 @@ def rollout(
     `chat`: render with the model's own chat template (keel.templates) instead of Keel's Hermes
     ChatML: its prompt, its family's end-of-turn token and call parser, its deltas after each turn.
     Hints are Hermes-only (their removable layout is `encode_prompt`'s).
+    `turn_limits`: each row's own limit on assistant turns (default params.max_turns for all).
     """
     if isinstance(generator, (list, tuple)) and len(generator) != len(tasks):
         raise ValueError(f"rollout: {len(generator)} generators for {len(tasks)} rows")
     if chat is not None and hints and any(hints):
         raise ValueError("rollout: hints need Keel's Hermes format (encode_prompt's layout); not available with a chat template")
+    if params.on_cut not in ("stop", "continue"):
+        raise ValueError(f"rollout: on_cut must be 'stop' or 'continue', not {params.on_cut!r}")
+    if chat is not None and params.on_cut == "continue":
+        raise ValueError("rollout: on_cut='continue' needs Keel's Hermes format (its end-of-turn token closes a cut turn)")
+    if turn_limits is not None and len(turn_limits) != len(tasks):
+        raise ValueError(f"rollout: {len(turn_limits)} turn limits for {len(tasks)} rows")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -451,10 +470,13 @@ def rollout(
                 r.traj.turn_spans.append((r.turn_start, len(r.ids)))
                 r.traj.turn_texts.append(text)
                 r.turn += 1
-                if not ended_cleanly:  # cut at the per-turn or episode token limit
-                    r.traj.truncated = True
+                if not ended_cleanly and (params.on_cut == "stop" or len(r.ids) >= params.max_total_tokens):
+                    r.traj.truncated = True  # cut at the per-turn or episode token limit
                     r.active = False
                     continue
+                close = [] if ended_cleanly else [eos]  # on_cut="continue": the cut turn ends here
+                if close:
+                    r.traj.info["cut_turns"] = r.traj.info.get("cut_turns", 0) + 1
                 outcome = process_turn(r.episode, text, r.turn - 1, parse=chat.parse if chat is not None else None)
                 r.traj.steps.extend(outcome.steps)
                 if outcome.answer is not None:
@@ -463,7 +485,7 @@ def rollout(
                     r.traj.finished = True
                     r.active = False
                     continue
-                if r.turn >= params.max_turns:
+                if r.turn >= (turn_limits[i] if turn_limits is not None else params.max_turns):
                     r.traj.truncated = True
                     r.active = False
                     continue
@@ -476,7 +498,7 @@ def rollout(
                         r.traj.info["template_mismatch_turn"] = r.turn - 1
                         r.active = False
                         continue
-                suffix_ids = tokenizer.encode(suffix, add_special_tokens=False)
+                suffix_ids = close + tokenizer.encode(suffix, add_special_tokens=False)
                 if len(r.ids) + len(suffix_ids) + 1 > params.max_total_tokens:
                     r.traj.truncated = True
                     r.active = False

@@ -71,3 +71,27 @@ def test_rollout_samples_the_same_with_and_without_the_shared_prefix(tiny, monke
     for a, b in zip(shared, repeated):
         assert a.token_ids == b.token_ids and a.sources == b.sources
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def test_prefill_encodes_long_prompts_that_share_little_one_by_one(tiny, monkeypatch):
+    """The padded block (shared prefix once, remainders right-aligned under a mask) is chosen
+    when prompts share most of their tokens (the KG env's system block; a group of one task);
+    long prompts sharing a short start (BFCL's tasks) go one by one, and their last logits are
+    each prompt's own forward."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(5, 1000, (6,), generator=g).tolist()
+    tails = [torch.randint(5, 1000, (n,), generator=g).tolist() for n in (40, 55, 31)]
+    seen = []
+    original = engine._prefill_each
+    monkeypatch.setattr(engine, "_prefill_each", lambda m, p, d: seen.append(len(p)) or original(m, p, d))
+    with torch.no_grad():
+        long_tails = [start + t for t in tails]  # lcp 6, remainders up to 55
+        logits, _, attn = engine._prefill(model, long_tails, "cpu")
+        assert seen == [3] and attn.shape == (3, 61) and attn.sum(1).tolist() == [46, 61, 37]
+        for row, p in enumerate(long_tails):
+            alone = model(input_ids=torch.tensor([p])).logits[0, -1]
+            assert (logits[row] - alone).abs().max() < 1e-4
+        engine._prefill(model, [tails[0] + t[:3] for t in tails], "cpu")  # lcp 40, remainders 3: one block
+        engine._prefill(model, [long_tails[1]] * 4, "cpu")  # a group of one task: one block
+    assert seen == [3]

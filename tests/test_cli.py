@@ -117,6 +117,8 @@ def test_existing_run_directory_is_refused_and_untouched(tmp_path):
         (["train", "configs/smoke.yaml", "--set", "data.source=files", "--set", "data.kb=/nonexistent/kb.tsv", "--set", "data.train=/nonexistent/q.jsonl"], "data.kb: file not found"),
         (["train", "configs/smoke.yaml", "--set", "reward.name=nope"], "unknown reward 'nope'"),
         (["eval", "--env", "kg", "--data", "/nonexistent.jsonl", "--kb", "x", "--policy", "oracle", "--out", "OUT"], "--data not found"),
+        (["eval", "--env", "bfcl", "--policy", "oracle", "--dtype", "bfloat16", "--out", "OUT"], "eval --dtype applies to a model policy, not --policy oracle"),
+        (["eval", "--config", "configs/smoke.yaml", "--policy", "tiny", "--dtype", "bfloat16", "--out", "OUT"], "use --set model.dtype=bfloat16, not --dtype"),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_no_directory(tmp_path, args, message):
@@ -209,3 +211,17 @@ def test_eval_endpoint_policy_against_a_loopback_chat_server(tmp_path):
     assert s["eval/em"] == 1.0 and s["eval/tools_per_question"] == 1.0  # the first 3 PQ-2H questions share that answer
     assert seen[0]["model"] == "gpt-4o" and "get_tail_relations" in seen[0]["messages"][0]["content"]  # tools in the system message
     assert "errors" in s and s["errors"]["failed"] == 0
+
+
+def test_eval_bfcl_with_a_model_runs_batched_rollouts_in_the_dtype_asked(tmp_path):
+    """A model policy on BFCL's multi-turn tasks (the tiny random model: every turn cut at 4
+    tokens, closed and parsed, the episode going on to the task's next user turn) in bf16."""
+    r = keel("eval", "--env", "bfcl", "--policy", "tiny", "--categories", "multi_turn_base", "--limit", "3", "--max-new-tokens", "4",
+             "--batch-size", "2", "--dtype", "bfloat16", "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["num_tasks"] == 3 and summary["accuracy/multi_turn_base"] == 0.0
+    rows = [json.loads(x) for x in (tmp_path / "b" / "results.jsonl").read_text().splitlines()]
+    assert [row["id"] for row in rows] == [f"multi_turn_base_{i}" for i in range(3)]
+    assert all(row["assistant_turns"] >= 2 and not row["truncated"] for row in rows)  # every user turn was answered
+    assert "json 2/3 tasks, 0 valid" in r.stderr and "json 3/3 tasks, 0 valid" in r.stderr

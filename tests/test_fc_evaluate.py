@@ -125,3 +125,87 @@ def test_fc_learn_train_classes_and_call_format_from_the_config():
         load_config("configs/smoke.yaml", ["env.call_format=python"])
     with pytest.raises(ConfigError, match="data.fc_train_classes selects fc_learn's API classes; env.kind=kg has none"):
         load_config("configs/smoke.yaml", ["data.fc_train_classes=[MathAPI]"])
+
+
+def _padded_to(ids: list[int], n: int, filler: int) -> list[int]:
+    assert len(ids) <= n
+    return ids + [filler] * (n - len(ids))
+
+
+@pytest.mark.parametrize("on_cut", ["continue", "stop"])
+def test_a_cut_turn_is_closed_and_parsed_under_on_cut_continue(tiny, on_cut):
+    """fc_learn's gold turns forced into a tiny model's rollout; the first turn is forced to
+    exactly max_new_tokens ids without <|im_end|> (cut). "continue": the turn is closed with
+    <|im_end|>, its calls run, the episode goes on and BFCL's checker accepts it, as the oracle's
+    episode; "stop" (training's rule): the episode ends truncated there and the checker refuses it."""
+    from keel.chat import IM_END
+    from keel.rollout import SamplingParams, rollout
+    from keel.sft import gold_turn_texts
+
+    model, tok = tiny
+    eos = tok.convert_tokens_to_ids(IM_END)
+    newline = tok.encode("\n", add_special_tokens=False)[0]
+    task = generate_tasks(4, seed=0)[0]
+    texts = gold_turn_texts(task)
+    assert len(texts) >= 2
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    width = max(len(x) for x in ids) + 1
+    forced = [_padded_to(ids[0], width, newline)] + [x + [eos] for x in ids[1:]]
+    params = SamplingParams(greedy=True, max_turns=len(texts) + 2, max_new_tokens=width, max_total_tokens=4096, on_cut=on_cut)
+    tr = rollout(model, tok, LearnableEnv("json"), [task], params, steer=lambda row, turn: forced[turn] if turn < len(forced) else None)[0]
+    oracle = run_fc_episode(LearnableEnv("json"), task, make_oracle("json"), 10)[1]
+    assert oracle["checker_valid"]
+    first_end = tr.turn_spans[0][1]
+    assert tr.token_ids[tr.turn_spans[0][0]:first_end] == forced[0]  # the cut turn: no <|im_end|> sampled
+    if on_cut == "stop":
+        assert tr.truncated and len(tr.turn_texts) == 1 and not tr.info["checker_valid"] and "cut_turns" not in tr.info
+        return
+    assert tr.token_ids[first_end] == eos  # closed by the engine, not by the policy
+    assert tr.sources[first_end] != tr.sources[first_end - 1]
+    assert tr.info["cut_turns"] == 1 and tr.finished and not tr.truncated
+    assert tr.turn_texts == [texts[0] + "\n" * (width - len(ids[0]))] + texts[1:]
+    assert tr.info["checker_valid"] is True
+
+
+def test_model_policy_scores_as_the_text_path_on_the_same_turns(tiny, tmp_path):
+    """evaluate_fc with a ModelPolicy (batched rollouts, cut turns continued, per-task turn
+    limits) against the text path given the very turns the model produced: the same rows, the
+    same summary, and a conversation that decodes to the text path's rendering of it. And the
+    first turn equals what the re-encoding model policy (keel.evaluate.model_text_policy)
+    writes: both paths start from the same prompt."""
+    from keel.chat import render_conversation
+    from keel.evaluate import model_text_policy
+    from keel.fc.evaluate import ModelPolicy, env_for
+
+    model, tok = tiny
+    tasks = generate_tasks(5, seed=3)
+    policy = ModelPolicy(model, tok, max_new_tokens=6, batch_size=2)
+    batched = evaluate_fc("fc_learn", policy, data=tasks, out_dir=tmp_path / "batched")
+    batches = policy.batches("fc_learn", tasks, "json")
+    assert sorted(i for b in batches for i in b) == list(range(len(tasks))) and all(len(b) <= 2 for b in batches)
+    assert all(len({tuple(tasks[i].meta["involved_classes"]) for i in b}) == 1 for b in batches)  # one API class set a batch
+    assert len({tuple(t.meta["involved_classes"]) for t in tasks}) == 2 and batches != [[0, 1], [2, 3], [4]]  # so the order changed
+    trajs = {t.id: tr for batch in policy.run("fc_learn", tasks, "json") for _, t, tr in batch}
+    assert all(tr.info.get("cut_turns", 0) >= 1 for tr in trajs.values())  # a random model never ends a turn itself
+
+    def replay(task, messages):
+        return trajs[task.id].turn_texts[sum(m["role"] == "assistant" for m in messages)]
+
+    text = evaluate_fc("fc_learn", replay, data=tasks, out_dir=tmp_path / "text")
+    assert batched == text
+    assert (tmp_path / "batched" / "results.jsonl").read_text() == (tmp_path / "text" / "results.jsonl").read_text()
+    for task in tasks:
+        episode, _ = run_fc_episode(env_for("fc_learn", task, "json"), task, replay, 100)
+        tools = env_for("fc_learn", task, "json").tools(task)
+        rendered = render_conversation(episode.messages, tools)
+        decoded = tok.decode(trajs[task.id].token_ids, skip_special_tokens=False)
+        assert rendered.startswith(decoded)  # the text path's conversation continues where the batched one stopped
+        first = model_text_policy(model, tok, lambda t: tools, 6)(task, episode.messages[:2])
+        assert first == trajs[task.id].turn_texts[0]
+
+
+def test_model_policy_refuses_bad_sizes(tiny):
+    from keel.fc.evaluate import ModelPolicy
+
+    with pytest.raises(ValueError, match="batch_size and max_new_tokens must be ≥ 1"):
+        ModelPolicy(*tiny, batch_size=0)
