@@ -205,11 +205,10 @@ def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, obj
     the cache is repeated over the batch. The ragged remainders (the questions) then go in as
     one right-aligned block. Without a shared prefix, or when the remainders are longer than it
     and the distinct prompts hold no more tokens than the padded block (long prompts sharing
-    little: BFCL's tasks list different APIs after a ~200-token common start), each distinct
-    prompt is encoded alone: the block's padding
-    mask rules out the causal attention kernel, and its attention over thousands of columns is
-    then materialised (5 BFCL prompts of 3–4.7k tokens: 83 s as one block, 33 s one by one, fp32;
-    LOG.md, twenty-fourth session).
+    little: BFCL tasks of different API classes share a ~200-token start), each distinct prompt
+    is encoded alone: the block's padding mask rules out the causal attention kernel, and its
+    attention over thousands of columns is then materialised (5 BFCL prompts of 3–4.7k tokens:
+    83 s as one block, 33 s one by one, fp32; LOG.md, twenty-fourth session).
     """
     B = len(prompts)
     first = prompts[0]
@@ -474,7 +473,7 @@ def rollout(
                     r.traj.truncated = True  # cut at the per-turn or episode token limit
                     r.active = False
                     continue
-                close = [] if ended_cleanly else [eos]  # on_cut="continue": the cut turn ends here
+                close = [] if ended_cleanly else [eos]  # on_cut="continue": the engine ends the cut turn (not a policy token)
                 if close:
                     r.traj.info["cut_turns"] = r.traj.info.get("cut_turns", 0) + 1
                 outcome = process_turn(r.episode, text, r.turn - 1, parse=chat.parse if chat is not None else None)
