@@ -23,7 +23,7 @@ entry with its own buffers (pytorch/pytorch#27971, intel/ideep#14). A GRPO updat
 each have a new length, as do a rollout's batches when rows finish, so over a run both caches
 fill with shapes that never come back. `import keel` sets both capacities to 32
 (`limit_onednn_caches`) unless the environment already names them. The main job (seed 0) on an
-AMX Xeon: peak RSS 5,321 → 4,360 MiB, wall 7:05 → 6:22 (rollouts and updates ~15% faster a
+AMX Xeon: peak RSS 5,321 → 4,360 MiB, wall 7:03 → 6:22 (rollouts and updates ~15% faster a
 step), every metric and answer the same; with oneDNN's cache alone capped, 4,729 MiB (LOG.md,
 twenty-fifth session).
 """
