@@ -113,24 +113,28 @@ print(rss_mb() - before)
 """
 
 
-def _onednn_growth_mb(**env: str) -> float:
+def _environment_without_cache_capacities() -> dict[str, str]:
     import os
+
+    from keel.memory import ONEDNN_CACHES
+
+    return {k: v for k, v in os.environ.items() if k not in ONEDNN_CACHES}
+
+
+def _onednn_growth_mb(**env: str) -> float:
     import subprocess
     import sys
 
-    names = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-    clean = {k: v for k, v in os.environ.items() if k not in names}
-    out = subprocess.run([sys.executable, "-c", _ONEDNN_PROBE], capture_output=True, text=True, check=True, env={**clean, **env}).stdout
+    out = subprocess.run([sys.executable, "-c", _ONEDNN_PROBE], capture_output=True, text=True, check=True,
+                         env={**_environment_without_cache_capacities(), **env}).stdout
     return float(out.split()[-1])
 
 
 def test_importing_keel_caps_onednn_caches_unless_the_environment_names_them():
-    import os
     import subprocess
     import sys
 
-    names = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-    clean = {k: v for k, v in os.environ.items() if k not in names}
+    clean = _environment_without_cache_capacities()
     show = "import os, keel; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'])"
 
     def run(env: dict[str, str]) -> list[str]:
