@@ -23,7 +23,9 @@ Variants (each dtype against `generate` in the same dtype):
 Then the limit, measured in the same run: (a) this machine's memory bandwidth (a plain copy of
 a 256 MB tensor: bytes read + written per second), (b) the model's linear layers alone at the
 bench's batch and each dtype — every weight matrix once, LM head included, one row per batch
-element — the floor any decode engine built on these GEMM kernels has per step, with the
+element, each weight laid out as Keel's decode step lays it out (`keel.decode.laid_out`: bf16
+weights in oneDNN's blocked format where its bf16 kernels exist, half the time of a plain
+`F.linear` at batch 16) — the floor any decode engine built on these GEMM kernels has per step, with the
 time the weights alone take to stream at (a), and (c) Keel's decode step (rollout time minus
 prefill, per new token), as ratios to (b).
 Ends with `speedup_vs_generate=<ratio>` (shipped engine vs generate, both fp32).
@@ -110,16 +112,20 @@ def memory_bandwidth(reps: int = 5, megabytes: int = 256) -> float:
 
 def linears_only_s(model, batch: int, reps: int = 7) -> tuple[float, int]:
     """(median seconds, weight bytes) of every nn.Linear of the model once (the tied LM head
-    included) at `batch` rows in the weights' dtype: the GEMMs of one decode step and nothing
-    else — no norms, rotary, attention, cache or sampling."""
+    included) at `batch` rows in the weights' dtype, laid out as the decode step lays them out:
+    the GEMMs of one decode step and nothing else — no norms, rotary, attention, cache or
+    sampling."""
+    from keel.decode import laid_out
+
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    laid = [(inputs[w.shape[1]], laid_out(w)) for w in weights]  # as Keel's decode step multiplies by them
     times = []
     with torch.no_grad():
         for rep in range(reps + 1):
             t0 = time.perf_counter()
-            for w in weights:
-                torch.nn.functional.linear(inputs[w.shape[1]], w)
+            for x, w in laid:
+                x @ w
             if rep:  # the first pass warms the kernels up
                 times.append(time.perf_counter() - t0)
     return statistics.median(times), sum(w.numel() * w.element_size() for w in weights)

@@ -54,3 +54,26 @@ def test_step_logits_match_a_full_forward(tiny):
 
 def test_other_layouts_keep_transformers_forward():
     assert LeanDecoder.build(torch.nn.Linear(2, 2)) is None
+
+
+def test_packed_bf16_weights_give_the_same_episodes_bit_for_bit(tiny, monkeypatch):
+    """bf16 sampler: the decode step's weights laid out once for oneDNN (`_Packed`) vs multiplied
+    as plain tensors — the same token ids and the same log-probs, to the last bit."""
+    import copy
+
+    import keel.decode as decode
+
+    model, tok = tiny
+    probe = model.lm_head.weight.detach().to(torch.bfloat16)
+    if not decode._packs(probe):
+        import pytest
+
+        pytest.skip("this CPU's oneDNN has no bf16 kernels")
+    bf16 = (copy.deepcopy(model).to(torch.bfloat16).eval(), tok)
+    assert isinstance(LeanDecoder(bf16[0]).lm_head, decode._Packed)
+    packed = _episodes(bf16, lean=True, temperature=0.7)
+    monkeypatch.setattr(decode, "_packs", lambda weight: False)
+    plain = _episodes(bf16, lean=True, temperature=0.7)
+    assert [t.token_ids for t in packed] == [t.token_ids for t in plain]
+    assert [t.logprobs for t in packed] == [t.logprobs for t in plain]
+    assert sum(t.num_policy_tokens for t in packed) > 60
