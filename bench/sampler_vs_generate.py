@@ -24,9 +24,8 @@ Then the limit, measured in the same run: (a) this machine's memory bandwidth (a
 a 256 MB tensor: bytes read + written per second), (b) the model's linear layers alone at the
 bench's batch and each dtype — every weight matrix once, LM head included, one row per batch
 element, each weight laid out as Keel's decode step lays it out (`keel.decode.laid_out`: bf16
-weights in oneDNN's blocked format where its bf16 kernels exist, half the time of a plain
-`F.linear` at batch 16) — the floor any decode engine built on these GEMM kernels has per step, with the
-time the weights alone take to stream at (a), and (c) Keel's decode step (rollout time minus
+weights in oneDNN's blocked format where its bf16 kernels exist) — the floor any decode engine
+built on these GEMM kernels has per step, with the time the weights alone take to stream at (a), and (c) Keel's decode step (rollout time minus
 prefill, per new token), as ratios to (b).
 Ends with `speedup_vs_generate=<ratio>` (shipped engine vs generate, both fp32).
 """
@@ -125,7 +124,7 @@ def linears_only_s(model, batch: int, reps: int = 7) -> tuple[float, int]:
         for rep in range(reps + 1):
             t0 = time.perf_counter()
             for x, w in laid:
-                x @ w
+                w(x)
             if rep:  # the first pass warms the kernels up
                 times.append(time.perf_counter() - t0)
     return statistics.median(times), sum(w.numel() * w.element_size() for w in weights)

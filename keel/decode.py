@@ -24,6 +24,8 @@ None from `LeanDecoder.build` and keep transformers' forward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
@@ -37,37 +39,48 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _Packed:
-    """A bf16 weight [out, in] laid out once in oneDNN's blocked format for its matrix-multiply
-    kernels. `x @ weight.T` on a plain tensor lays the weight out again on every call: at decode
-    shapes (batch 16) the packed GEMM takes half the time (SmolLM2's q/k/v block: 37 vs 79 µs
-    on an AMX Xeon) and gives the same values bit for bit (tests/test_decode.py)."""
+    """x ↦ x @ weight.T with a bf16 weight [out, in] laid out once in oneDNN's blocked format for
+    its matrix-multiply kernels. `x @ weight.T` on a plain tensor lays the weight out again on
+    every call: at decode shapes (batch 16) the packed GEMM takes half the time (SmolLM2's q/k/v
+    block: 37 vs 79 µs on an AMX Xeon) and gives the same values bit for bit
+    (tests/test_decode.py). Called directly: `x @ packed` through `__rmatmul__` cost 18 µs a
+    call more (torch's operator tries the tensor product first)."""
 
     __slots__ = ("packed",)
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
 
-    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:  # x @ self = x @ weight.T
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    """Whether this process's oneDNN has bf16 kernels and torch the ops that lay weights out."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def _packs(weight: torch.Tensor) -> bool:
     """Whether `_Packed` serves this weight: bf16 on a CPU whose oneDNN has bf16 kernels."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _onednn_bf16()
 
 
 def laid_out(weight: torch.Tensor):
-    """`weight` as the decode step multiplies by it: `x @ w` computes x @ weight.T."""
-    return _Packed(weight) if _packs(weight) else weight.T
+    """The decode step's product by `weight`: a function x ↦ x @ weight.T."""
+    if _packs(weight):
+        return _Packed(weight)
+    transposed = weight.T
+    return transposed.__rmatmul__  # x ↦ x @ transposed
 
 
 def _attention_in(h, ln1, wqkv, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
     """A layer's input norm, its q/k/v projection as one GEMM, and rotary on q and k together
     (one set of element-wise ops over H + KV heads instead of two: the same values).
-    Weights as `laid_out` gives them (`x @ w` = x @ weight.T)."""
+    Weights as `laid_out` gives them (`w(x)` = x @ weight.T)."""
     B = h.shape[0]
-    qkv = _rms(h, ln1, eps) @ wqkv  # [B, (H + 2·KV)·D]
+    qkv = wqkv(_rms(h, ln1, eps))  # [B, (H + 2·KV)·D]
     k_end = (heads + kv_heads) * head_dim
     qk = qkv[:, :k_end].view(B, heads + kv_heads, head_dim)
     qk = qk * cos + rotate_half(qk) * sin
@@ -77,9 +90,9 @@ def _attention_in(h, ln1, wqkv, cos, sin, eps: float, heads: int, kv_heads: int,
 
 def _attention_out_mlp(h, attended, wo, ln2, wgu, wdown, eps: float, intermediate: int):
     """The attention's output projection and residual, then the MLP block and its residual."""
-    h = h + attended @ wo
-    gate, up = (_rms(h, ln2, eps) @ wgu).split(intermediate, dim=-1)
-    return h + (F.silu(gate) * up) @ wdown
+    h = h + wo(attended)
+    gate, up = wgu(_rms(h, ln2, eps)).split(intermediate, dim=-1)
+    return h + wdown(F.silu(gate) * up)
 
 
 class _Layer:
@@ -163,5 +176,5 @@ class LeanDecoder:
                                                      enable_gqa=True)
             h = _attention_out_mlp(h, out.reshape(B, H * D), w.wo, w.ln2, w.wgu, w.wdown, self.eps, self.intermediate)
         h = _rms(h, self.norm, self.eps)
-        return (h @ self.lm_head).float()
+        return self.lm_head(h).float()
 

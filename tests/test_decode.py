@@ -1,8 +1,12 @@
 """keel.decode.LeanDecoder computes transformers' decode step: same logits on the same cache,
 so a rollout with it samples the same ids with the same log-probs (fp32)."""
 
+import copy
+
+import pytest
 import torch
 
+import keel.decode as decode
 import keel.rollout as engine
 from fakes import EchoEnv, make_tasks
 from keel.decode import LeanDecoder
@@ -59,15 +63,9 @@ def test_other_layouts_keep_transformers_forward():
 def test_packed_bf16_weights_give_the_same_episodes_bit_for_bit(tiny, monkeypatch):
     """bf16 sampler: the decode step's weights laid out once for oneDNN (`_Packed`) vs multiplied
     as plain tensors — the same token ids and the same log-probs, to the last bit."""
-    import copy
-
-    import keel.decode as decode
-
     model, tok = tiny
     probe = model.lm_head.weight.detach().to(torch.bfloat16)
     if not decode._packs(probe):
-        import pytest
-
         pytest.skip("this CPU's oneDNN has no bf16 kernels")
     bf16 = (copy.deepcopy(model).to(torch.bfloat16).eval(), tok)
     assert isinstance(LeanDecoder(bf16[0]).lm_head, decode._Packed)

@@ -41,14 +41,16 @@ def test_release_free_memory_returns_a_fragmented_heap():
     del pin
 
 
-_DECODING_HEAP_PROBE = """
-import torch
-from keel import memory
-
+_PROBE_RSS = """
 def rss_mb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
+"""
 
+_DECODING_HEAP_PROBE = """
+import torch
+from keel import memory
+""" + _PROBE_RSS + """
 def freed_mb():
     blocks = [torch.ones(1024, 1024) for _ in range(50)]  # 200 MB, pages touched
     pin = torch.ones(1024, 1024)  # above them: free() alone cannot shrink the heap's top
@@ -96,11 +98,7 @@ def test_decoding_heap_raises_the_threshold_and_sets_it_back_only_when_one_was_f
 _ONEDNN_PROBE = """
 import torch
 import keel  # caps oneDNN's caches unless the environment names them (keel.memory.limit_onednn_caches)
-
-def rss_mb():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
-
+""" + _PROBE_RSS + """
 torch.set_num_threads(1)
 w = torch.randn(1536, 576, dtype=torch.bfloat16, requires_grad=True)
 x0 = torch.randn(400, 576, dtype=torch.bfloat16)
