@@ -1,23 +1,30 @@
 """A lean decode step for Llama-family models: one new token per row, on pre-laid-out weights.
 
 transformers' forward spends most of a CPU decode step outside its matrix multiplies: at batch
-16 in bf16, SmolLM2's 211 linear layers take ~30 ms per step, the whole forward ~70–80 ms
+16 in bf16, SmolLM2's 211 linear layers take ~17–25 ms per step, the whole forward ~70–80 ms
 (`bench/sampler_vs_generate.py` prints both). The rest is per-layer module dispatch, mask and
 rotary construction for every call, dtype round trips in RMSNorm, and seven GEMMs per layer
 where four do the same work. `LeanDecoder.step` computes the same function with
 - q, k and v projections as one GEMM, gate and up as one (weights concatenated once per rollout);
 - bf16 weights laid out once per rollout in oneDNN's blocked format (`laid_out`), not on every call;
-- RMSNorm as one fused `torch.rms_norm` in fp32, cast back before the weight, as transformers does;
-- rotary cos/sin computed once per step for all layers, from the rows' positions, and applied to
-  q and k in one set of element-wise ops (they sit side by side in the q/k/v GEMM's output);
-- the decode mask prepared once per step (`keel.cascade._rows_mask`) for all layers;
-- attention through keel.cascade's split attention when the cache holds a shared prefix, else
-  one SDPA call over the rows' own keys;
-- keys and values appended in place to the rollout's growing cache (`cache.layers[i].update`).
+- rotary cos/sin computed once per step for all layers, from the rows' positions;
+- keys and values appended in place to the rollout's growing cache (`cache.layers[i].update`);
+- everything between the GEMMs in one of two implementations with the same interface:
+  `_NativeOps`, where keel.native could build its C kernels (keel/decode_ops.c) and the model's
+  shapes fit them: the residual add with the next RMSNorm, rotary on q and k, SwiGLU and the whole
+  attention over [shared prefix ‖ the row's own keys] (scores, masked softmax, weighted sum in
+  fp32) as one call each; else `_TorchOps`: RMSNorm as transformers computes it, rotary on q and
+  k in one set of element-wise ops, SwiGLU, and keel.cascade's split attention (or one SDPA call
+  without a shared prefix), masks prepared once per step for all layers.
+  On an AMX Xeon (LOG.md, twenty-sixth session) the kernels took a bf16 decode step at batch 16
+  from ~41 to ~30 ms and an fp32 one from ~84 to ~66.
 
 It is used only for width-1 decode steps of `keel.rollout`; prefill and the tool-response blocks
-still run transformers' forward into the same cache. `tests/test_decode.py` checks the logits
-against transformers' forward on the same cache (fp32, with and without a shared prefix).
+still run transformers' forward into the same cache. `tests/test_decode.py` checks the torch
+ops' logits against transformers' forward on the same cache (fp32, with and without a shared
+prefix: the same episodes token for token); `tests/test_native.py` checks each kernel against the
+torch ops (bit-exact where the roundings are the same, within one rounding of the dtype where
+summation order or exp differ) and rollouts on the kernels against rollouts on torch ops.
 Models it does not cover (biases, other rotary types, sliding windows, non-Llama layouts) get
 None from `LeanDecoder.build` and keep transformers' forward.
 """
@@ -30,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import rotate_half
 
-from keel import cascade
+from keel import cascade, native
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,24 +82,121 @@ def laid_out(weight: torch.Tensor):
     return transposed.__rmatmul__  # x ↦ x @ transposed
 
 
-def _attention_in(h, ln1, wqkv, cos, sin, eps: float, heads: int, kv_heads: int, head_dim: int):
-    """A layer's input norm, its q/k/v projection as one GEMM, and rotary on q and k together
-    (one set of element-wise ops over H + KV heads instead of two: the same values).
-    Weights as `laid_out` gives them (`w(x)` = x @ weight.T)."""
-    B = h.shape[0]
-    qkv = wqkv(_rms(h, ln1, eps))  # [B, (H + 2·KV)·D]
-    k_end = (heads + kv_heads) * head_dim
-    qk = qkv[:, :k_end].view(B, heads + kv_heads, head_dim)
-    qk = qk * cos + rotate_half(qk) * sin
-    v = qkv[:, k_end:].view(B, kv_heads, head_dim)
-    return qk[:, :heads], qk[:, heads:], v
+class _TorchOps:
+    """The decode step's element-wise work as torch ops (any device, any dtype)."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+
+    def norm(self, h, delta, weight):
+        """(h + delta, RMSNorm(h + delta) · weight); delta None: no residual add."""
+        if delta is not None:
+            h = h + delta
+        return h, _rms(h, weight, self.eps)
+
+    def rotary(self, qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
+        """q, k (rotary applied to both in one set of element-wise ops: they sit side by side in
+        the q/k/v GEMM's output) and v, as [B, heads, D] views."""
+        B = qkv.shape[0]
+        k_end = (heads + kv_heads) * head_dim
+        qk = qkv[:, :k_end].view(B, heads + kv_heads, head_dim)
+        qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
+        return qk[:, :heads], qk[:, heads:], qkv[:, k_end:].view(B, kv_heads, head_dim)
+
+    def swiglu(self, gu, intermediate: int):
+        gate, up = gu.split(intermediate, dim=-1)
+        return F.silu(gate) * up
+
+    def prepare(self, attn, P: int, heads: int, kv_heads: int, dtype):
+        """The step's mask as `attend` takes it, computed once for all layers."""
+        own = attn[:, P:].bool()[:, None, None, :]  # [B, 1, 1, L+1]
+        return cascade._rows_mask(own, heads // kv_heads, dtype) if P else own
+
+    def attend(self, i: int, q, layer, keys, values, mask, scale: float):
+        """q [B, H, D] over [the layer's shared prefix ‖ keys/values [B, KV, L+1, D]] → [B, H·D]."""
+        B = q.shape[0]
+        if layer.prefix is not None:
+            pk, pv = layer.prefix
+            out = cascade.split_attention(q[:, :, None, :], pk, pv, keys, values, None, scale, mask)
+        else:
+            out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.reshape(B, -1)
 
 
-def _attention_out_mlp(h, attended, wo, ln2, wgu, wdown, eps: float, intermediate: int):
-    """The attention's output projection and residual, then the MLP block and its residual."""
-    h = h + wo(attended)
-    gate, up = wgu(_rms(h, ln2, eps)).split(intermediate, dim=-1)
-    return h + wdown(F.silu(gate) * up)
+class _NativeOps:
+    """The same work through keel/decode_ops.c (keel.native): one call per fused group, the same
+    roundings in fp32 or bf16; contiguous CPU tensors only. The residual stream h is updated in
+    place (the step owns it: the embedding lookup's fresh output)."""
+
+    def __init__(self, lib, eps: float, dtype: torch.dtype):
+        self.lib, self.eps, self.bf16 = lib, eps, int(dtype == torch.bfloat16)
+        self._prefixes: dict[int, tuple] = {}  # layer → (prefix keys it was made from, kt, vp, P, P16)
+
+    @staticmethod
+    def serves(d: "LeanDecoder", embed: torch.Tensor) -> bool:
+        """Whether the kernels cover this model and weights: CPU, fp32 or bf16, rows of a multiple
+        of 16 values, head dim 32, 64 or 128, 1, 2, 3, 4 or 8 query heads per kv head (the
+        attention kernel is compiled for each of those shapes; SmolLM2-135M: 64 and 3)."""
+        return (embed.device.type == "cpu" and embed.dtype in (torch.float32, torch.bfloat16) and embed.shape[1] % 16 == 0
+                and d.intermediate % 16 == 0 and d.head_dim in (32, 64, 128) and d.heads % d.kv_heads == 0
+                and d.heads // d.kv_heads in (1, 2, 3, 4, 8))
+
+    def norm(self, h, delta, weight):
+        out = torch.empty_like(h)
+        self.lib.keel_add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                   h.shape[0], h.shape[1], self.eps, self.bf16)
+        return h, out
+
+    def rotary(self, qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
+        B = qkv.shape[0]
+        self.lib.keel_rotary(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), B, heads + kv_heads, head_dim, qkv.shape[1], self.bf16)
+        k_end = (heads + kv_heads) * head_dim
+        return (qkv[:, : heads * head_dim].view(B, heads, head_dim), qkv[:, heads * head_dim : k_end].view(B, kv_heads, head_dim),
+                qkv[:, k_end:].view(B, kv_heads, head_dim))
+
+    def swiglu(self, gu, intermediate: int):
+        out = gu.new_empty(gu.shape[0], intermediate)
+        self.lib.keel_silu_mul(gu.data_ptr(), out.data_ptr(), gu.shape[0], intermediate, self.bf16)
+        return out
+
+    def prepare(self, attn, P: int, heads: int, kv_heads: int, dtype):
+        return attn if attn.dtype == torch.int64 and attn.is_contiguous() else attn.to(torch.int64).contiguous()
+
+    def _prefix(self, i: int, layer):
+        """The layer's shared prefix as the kernel reads it, made once per prefix: fp32 keys
+        transposed [KV, D, P16] and values [KV, P16, D], zero-padded to a multiple of 16 positions."""
+        pk, pv = layer.prefix
+        got = self._prefixes.get(i)
+        if got is None or got[0] is not pk:
+            KV, P, D = pk.shape[1:]
+            P16 = -(-P // 16) * 16
+            kt = pk.new_zeros(KV, D, P16, dtype=torch.float32)
+            kt[:, :, :P] = pk[0].transpose(1, 2)
+            vp = pk.new_zeros(KV, P16, D, dtype=torch.float32)
+            vp[:, :P] = pv[0]
+            got = self._prefixes[i] = (pk, kt, vp, P, P16)
+        return got[1:]
+
+    def attend(self, i: int, q, layer, keys, values, mask, scale: float):
+        B, H, D = q.shape
+        KV, L = keys.shape[1], keys.shape[2]
+        if layer.prefix is not None:
+            kt, vp, P, P16 = self._prefix(i, layer)
+        else:
+            kt = vp = None
+            P = P16 = 0
+        if mask.shape[1] != P + L:
+            raise RuntimeError(f"keel.decode: the mask covers {mask.shape[1]} keys, the layer has {P} shared + {L} own")
+        if keys.stride() != values.stride() or keys.stride()[2:] != (D, 1) or q.stride()[1:] != (D, 1):
+            raise RuntimeError(f"keel.decode: keys {tuple(keys.stride())}, values {tuple(values.stride())}, queries "
+                               f"{tuple(q.stride())}: the kernel reads rows of {D} contiguous values")
+        out = q.new_empty(B, H * D)
+        scratch = torch.empty(B * H * (P16 + -(-L // 16) * 16), dtype=torch.float32)
+        self.lib.keel_decode_attention(q.data_ptr(), q.stride(0), None if kt is None else kt.data_ptr(), None if vp is None else vp.data_ptr(),
+                                       P, P16, keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), L,
+                                       mask.data_ptr() + P * mask.element_size(), mask.stride(0), out.data_ptr(), scratch.data_ptr(),
+                                       B, H, KV, D, scale, self.bf16)
+        return out
 
 
 class _Layer:
@@ -131,6 +235,8 @@ class LeanDecoder:
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         with torch.no_grad():
             self.layers = [_Layer(layer) for layer in inner.layers]
+        lib = native.ops() if _NativeOps.serves(self, self.embed) else None
+        self.ops = _NativeOps(lib, self.eps, self.embed.dtype) if lib is not None else _TorchOps(self.eps)
 
     @staticmethod
     def build(model) -> "LeanDecoder | None":
@@ -155,26 +261,18 @@ class LeanDecoder:
         dtype = h.dtype
         freqs = positions[:, 0, None].float() * self.inv_freq  # [B, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(dtype)[:, None, :]  # [B, 1, D]
-        sin = (emb.sin() * self.rope_scaling).to(dtype)[:, None, :]
+        cos = (emb.cos() * self.rope_scaling).to(dtype)  # [B, D]
+        sin = (emb.sin() * self.rope_scaling).to(dtype)
         prefix = getattr(cache.layers[0], "prefix", None)
-        P = prefix[0].shape[-2] if prefix is not None else 0
-        own = attn[:, P:].bool()[:, None, None, :]  # [B, 1, 1, L+1]
-        if prefix is not None:
-            prepared = cascade._rows_mask(own, H // KV, dtype)
-        else:
-            sdpa_mask = own
+        ops = self.ops
+        mask = ops.prepare(attn, prefix[0].shape[-2] if prefix is not None else 0, H, KV, dtype)
+        h, x = ops.norm(h, None, self.layers[0].ln1)
         for i, w in enumerate(self.layers):
-            q, k, v = _attention_in(h, w.ln1, w.wqkv, cos, sin, self.eps, H, KV, D)
+            q, k, v = ops.rotary(w.wqkv(x), cos, sin, H, KV, D)
             layer = cache.layers[i]
             keys, values = layer.update(k[:, :, None, :], v[:, :, None, :])  # [B, KV, L+1, D]
-            if prefix is not None:
-                pk, pv = layer.prefix
-                out = cascade.split_attention(q[:, :, None, :], pk, pv, keys, values, None, self.scale, prepared)
-            else:
-                out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=sdpa_mask, scale=self.scale,
-                                                     enable_gqa=True)
-            h = _attention_out_mlp(h, out.reshape(B, H * D), w.wo, w.ln2, w.wgu, w.wdown, self.eps, self.intermediate)
-        h = _rms(h, self.norm, self.eps)
-        return self.lm_head(h).float()
+            h, x = ops.norm(h, w.wo(ops.attend(i, q, layer, keys, values, mask, self.scale)), w.ln2)
+            delta = w.wdown(ops.swiglu(w.wgu(x), self.intermediate))
+            h, x = ops.norm(h, delta, self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm)
+        return self.lm_head(x).float()
 

@@ -1,0 +1,346 @@
+/* keel/decode_ops.c: the element-wise work of keel.decode's decode step, one call per fused
+ * group of ops instead of one torch op each (see keel/native.py). Rows are [rows, n] contiguous;
+ * `bf16` selects bf16 storage (uint16, rounded to nearest even as torch rounds) or fp32. Every
+ * quantity is computed in fp32, rounded where transformers' bf16 forward rounds. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline v16 load16(const void *p, long i, int bf16) {
+    v16 f;
+    if (bf16) {
+        v16h h;
+        memcpy(&h, (const uint16_t *)p + i, sizeof h);
+        v16u u = __builtin_convertvector(h, v16u) << 16;
+        memcpy(&f, &u, sizeof f);
+    } else {
+        memcpy(&f, (const float *)p + i, sizeof f);
+    }
+    return f;
+}
+
+static inline float hsum(v16 v) { /* a tree of halves: 4 shuffles and adds, not 15 dependent adds */
+    v16 t = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    t += __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    t += __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    t += __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return t[0];
+}
+
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* 16 values of a row in the dtype, stored from fp32 (rounded to nearest even, as torch rounds; a
+ * NaN stays a NaN) */
+static inline void store16(void *p, long i, v16 f, int bf16) {
+    if (bf16) {
+        v16u u;
+        memcpy(&u, &f, sizeof u);
+        v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+        v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        r = (v16u)(((v16i)r & ~nan) | ((v16i)((u >> 16) | 0x40u) & nan));
+        v16h h = __builtin_convertvector(r, v16h);
+        memcpy((uint16_t *)p + i, &h, sizeof h);
+    } else {
+        memcpy((float *)p + i, &f, sizeof f);
+    }
+}
+
+/* the values torch would store for these fp32 results in the dtype, as fp32. The empty asm makes
+ * the value exist as such, so that the compiler cannot fuse the product that made it into a later
+ * add (a fused multiply-add rounds once where torch rounds twice). */
+static inline v16 round16(v16 f, int bf16) {
+    if (!bf16) {
+#if defined(__x86_64__)
+        __asm__("" : "+v"(f));
+#else
+        __asm__ volatile("" : : "r"(&f) : "memory");
+#endif
+        return f;
+    }
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    v16u r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
+    r = (v16u)(((v16i)r & ~nan) | ((v16i)u & nan));
+    memcpy(&f, &r, sizeof f);
+    return f;
+}
+
+/* exp(x), 16 at a time: Cephes' expf (range reduction by ln 2, degree-6 polynomial; within 2 ulp
+ * of expf) on x clamped to [-87, 88]; `zero_below`: exactly 0 where x < -87 (-inf: a masked key). */
+static inline v16 vexp(v16 x, int zero_below) {
+    const v16 lo = (v16){0} - 87.0f, hi = (v16){0} + 88.0f;
+    v16i keep = x >= lo;
+    x = (v16)(((v16i)x & keep) | ((v16i)lo & ~keep));
+    v16i over = x > hi;
+    x = (v16)(((v16i)hi & over) | ((v16i)x & ~over));
+    const float magic = 12582912.0f; /* 1.5 · 2^23: adding it rounds to an integer */
+    v16 n = (x * 1.44269504088896341f + magic) - magic;
+    v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16 y = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    y = y * (v16)e;
+    return zero_below ? (v16)((v16i)y & keep) : y;
+}
+
+/* ---- the element-wise groups (row widths are multiples of 16: keel/native.py checks) ---- */
+
+/* transformers' LlamaRMSNorm: y = weight * dtype(x / sqrt(mean(x^2) + eps)), normalised in fp32.
+ * With `delta` (not NULL), first h += delta in place (the residual add, rounded to the dtype). */
+void keel_add_rms_norm(void *h, const void *delta, const void *weight, void *out, int rows, int n, float eps, int bf16) {
+    for (int r = 0; r < rows; r++) {
+        long o = (long)r * n;
+        v16 ss = {0};
+        for (int i = 0; i < n; i += 16) {
+            v16 x = load16(h, o + i, bf16);
+            if (delta) {
+                x = round16(x + load16(delta, o + i, bf16), bf16);
+                store16(h, o + i, x, bf16);
+            }
+            ss += x * x;
+        }
+        float inv = 1.0f / sqrtf(hsum(ss) / (float)n + eps);
+        for (int i = 0; i < n; i += 16)
+            store16(out, o + i, load16(weight, i, bf16) * round16(load16(h, o + i, bf16) * inv, bf16), bf16);
+    }
+}
+
+/* Rotary embedding on the first `heads` heads of each row of qkv [rows, stride] (q then k heads
+ * side by side, each of dim d), in place: x*cos + rotate_half(x)*sin with cos/sin [rows, d] in the
+ * dtype, each product rounded before the sum as in transformers' forward. */
+void keel_rotary(void *qkv, const void *cos, const void *sin, int rows, int heads, int d, long stride, int bf16) {
+    const int half = d / 2;
+    for (int r = 0; r < rows; r++) {
+        for (int hd = 0; hd < heads; hd++) {
+            long o = (long)r * stride + (long)hd * d, c = (long)r * d;
+            for (int i = 0; i < half; i += 16) {
+                v16 x1 = load16(qkv, o + i, bf16), x2 = load16(qkv, o + half + i, bf16);
+                v16 c1 = load16(cos, c + i, bf16), c2 = load16(cos, c + half + i, bf16);
+                v16 s1 = load16(sin, c + i, bf16), s2 = load16(sin, c + half + i, bf16);
+                store16(qkv, o + i, round16(x1 * c1, bf16) + round16(-x2 * s1, bf16), bf16);
+                store16(qkv, o + half + i, round16(x2 * c2, bf16) + round16(x1 * s2, bf16), bf16);
+            }
+        }
+    }
+}
+
+/* out [rows, n] = silu(gate) * up, gate and up the two halves of each row of gu [rows, 2n]; silu
+ * is rounded to the dtype before the product, as torch computes it. */
+void keel_silu_mul(const void *gu, void *out, int rows, int n, int bf16) {
+    for (int r = 0; r < rows; r++) {
+        long o = (long)r * 2 * n;
+        for (int i = 0; i < n; i += 16) {
+            v16 g = load16(gu, o + i, bf16);
+            v16 s = round16(g / (1.0f + vexp(-g, 0)), bf16);
+            store16(out, (long)r * n + i, s * load16(gu, o + n + i, bf16), bf16);
+        }
+    }
+}
+
+/* ---- attention of one new token per row over [shared prefix ‖ the row's own keys] ---- */
+
+
+#define MAX_REP 8
+
+/* One (row b, kv head g) pair: its `rep` query heads over the prefix and the row's own keys.
+ * REP and NC (= D/16) are compile-time constants in every instantiation below, so the
+ * accumulators live in registers. */
+static inline __attribute__((always_inline)) void attend_one(
+    const int REP, const int NC, int b, int g, const void *q, long q_row, const float *pkt, const float *pv,
+    int P, int P16, const void *k, const void *v, long kv_row, long kv_head, int L, int L16, const int64_t *mask,
+    long mask_row, void *out, float *S, int H, float scale, int bf16) {
+    const int D = NC * 16, W = P16 + L16;
+    const long qo = (long)b * q_row + (long)g * REP * D;
+    const long base = (long)b * kv_row + (long)g * kv_head;
+    const int64_t *m = mask + (long)b * mask_row;
+    float qs[REP][NC * 16];
+    v16 qv[REP][NC];
+    for (int r = 0; r < REP; r++)
+        for (int c = 0; c < NC; c++) {
+            qv[r][c] = load16(q, qo + (long)r * D + c * 16, bf16) * scale;
+            memcpy(&qs[r][c * 16], &qv[r][c], sizeof(v16));
+        }
+    /* scores: prefix keys 16 at a time, s[j0..j0+16) = Σ_d q[d] · Kt[d, j0..j0+16); own keys one
+     * at a time. Padding and masked keys get -inf. */
+    {
+        const float *kt = pkt + (long)g * D * P16;
+        for (int j0 = 0; j0 < P16; j0 += 32) { /* two blocks of 16 keys: twice the independent sums in flight */
+            const int two = j0 + 32 <= P16;
+            v16 acc[REP][2];
+            for (int r = 0; r < REP; r++) acc[r][0] = acc[r][1] = (v16){0};
+            for (int d = 0; d < D; d++) {
+                v16 k0, k1 = {0};
+                memcpy(&k0, kt + (long)d * P16 + j0, sizeof k0);
+                if (two) memcpy(&k1, kt + (long)d * P16 + j0 + 16, sizeof k1);
+                for (int r = 0; r < REP; r++) {
+                    acc[r][0] += qs[r][d] * k0;
+                    acc[r][1] += qs[r][d] * k1;
+                }
+            }
+            for (int r = 0; r < REP; r++) memcpy(S + (long)r * W + j0, acc[r], (two ? 2 : 1) * sizeof(v16));
+        }
+        for (int j = 0; j < L; j++) {
+            if (!m[j]) continue;
+            v16 acc[REP];
+            for (int r = 0; r < REP; r++) acc[r] = (v16){0};
+            for (int c = 0; c < NC; c++) {
+                v16 kc = load16(k, base + (long)j * D + c * 16, bf16);
+                for (int r = 0; r < REP; r++) acc[r] += qv[r][c] * kc;
+            }
+            for (int r = 0; r < REP; r++) S[(long)r * W + P16 + j] = hsum(acc[r]);
+        }
+    }
+    for (int r = 0; r < REP; r++) {
+        for (int j = P; j < P16; j++) S[(long)r * W + j] = -INFINITY;
+        for (int j = 0; j < L16; j++)
+            if (j >= L || !m[j]) S[(long)r * W + P16 + j] = -INFINITY;
+    }
+    /* softmax of each query head's W scores (-inf: weight 0) */
+    float inv[REP];
+    for (int r = 0; r < REP; r++) {
+        float *s = S + (long)r * W;
+        v16 mx = {0};
+        mx -= INFINITY;
+        for (int j = 0; j < W; j += 16) {
+            v16 x;
+            memcpy(&x, s + j, sizeof x);
+            v16i gt = x > mx;
+            mx = (v16)(((v16i)x & gt) | ((v16i)mx & ~gt));
+        }
+        float M = -INFINITY;
+        for (int i = 0; i < 16; i++) M = mx[i] > M ? mx[i] : M;
+        v16 sum = {0};
+        for (int j = 0; j < W; j += 16) {
+            v16 x;
+            memcpy(&x, s + j, sizeof x);
+            x = vexp(x - M, 1);
+            memcpy(s + j, &x, sizeof x);
+            sum += x;
+        }
+        float tot = hsum(sum);
+        inv[r] = tot > 0.0f ? 1.0f / tot : 0.0f;
+    }
+    /* weighted sum of values, each value row read once for all query heads */
+    v16 acc[REP][NC];
+    for (int r = 0; r < REP; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = (v16){0};
+    {
+        const float *vp = pv + (long)g * P16 * D;
+        for (int j = 0; j < P; j++)
+            for (int c = 0; c < NC; c++) {
+                v16 vv;
+                memcpy(&vv, vp + (long)j * D + c * 16, sizeof vv);
+                for (int r = 0; r < REP; r++) acc[r][c] += S[(long)r * W + j] * vv;
+            }
+    }
+    for (int j = 0; j < L; j++) {
+        if (!m[j]) continue;
+        for (int c = 0; c < NC; c++) {
+            v16 vv = load16(v, base + (long)j * D + c * 16, bf16);
+            for (int r = 0; r < REP; r++) acc[r][c] += S[(long)r * W + P16 + j] * vv;
+        }
+    }
+    for (int r = 0; r < REP; r++) {
+        const long o = ((long)b * H + g * REP + r) * D;
+        for (int c = 0; c < NC; c++) store16(out, o + c * 16, acc[r][c] * inv[r], bf16);
+    }
+}
+
+/* q [B, H, D] (row b, head h at b*q_row + h*D); the prefix (P = 0: none), zero past P: fp32 keys
+ * transposed [KV, D, P16] and values [KV, P16, D]; own keys/values of row b, kv head g,
+ * position j at b*kv_row + g*kv_head + j*D in the dtype; mask[b*mask_row + j] != 0 where own key j
+ * is visible to row b; out [B, H, D] contiguous in the dtype; scratch [B*KV, H/KV, P16 + L16] fp32
+ * (L16: L rounded up to a multiple of 16). Query head h reads kv head h / (H/KV). Scores, softmax
+ * and the weighted sum are fp32; the output is rounded once. D ∈ {32, 64, 128} and H/KV ∈ {1, 2, 3, 4, 8}
+ * (keel/native.py checks). */
+void keel_decode_attention(const void *q, long q_row, const float *pkt, const float *pv, int P, int P16, const void *k,
+                           const void *v, long kv_row, long kv_head, int L, const int64_t *mask, long mask_row, void *out,
+                           float *scratch, int B, int H, int KV, int D, float scale, int bf16) {
+    const int rep = H / KV, L16 = (L + 15) / 16 * 16, W = P16 + L16;
+#pragma omp parallel for schedule(static)
+    for (int item = 0; item < B * KV; item++) {
+        const int g = item / B, b = item % B; /* kv head outer: one prefix head stays in cache */
+        float *S = scratch + (long)item * rep * W;
+#define ONE(R, N) attend_one(R, N, b, g, q, q_row, pkt, pv, P, P16, k, v, kv_row, kv_head, L, L16, mask, mask_row, out, S, H, scale, bf16)
+#define BY_D(R)                 \
+    switch (D) {                \
+    case 32: ONE(R, 2); break;  \
+    case 64: ONE(R, 4); break;  \
+    default: ONE(R, 8); break;  \
+    }
+        switch (rep) { /* the grouped-query ratios of Llama-family checkpoints (keel.decode._NativeOps.serves) */
+        case 1: BY_D(1); break;
+        case 2: BY_D(2); break;
+        case 3: BY_D(3); break;
+        case 4: BY_D(4); break;
+        default: BY_D(8); break;
+        }
+#undef BY_D
+#undef ONE
+    }
+}
+
+/* ---- the next token of each row ---- */
+
+/* Inverse-CDF sampling from softmax(logits / temperature) over each row of logits [rows, V]
+ * (fp32), as keel.rollout._choose does it in torch: the first token whose running sum of
+ * probabilities reaches u[r] times their total; temperature ≤ 0: the first maximal logit (greedy,
+ * u unused). tok[r] and its log-probability logp[r]; scratch [rows, V] fp32. */
+void keel_sample(const float *logits, int rows, int V, float temperature, const float *u, int64_t *tok, float *logp,
+                 float *scratch) {
+    const int V16 = V / 16 * 16;
+    const float t = temperature > 0.0f ? temperature : 1.0f;
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < rows; r++) {
+        const float *l = logits + (long)r * V;
+        float *p = scratch + (long)r * V;
+        float M = -INFINITY;
+        int best = 0;
+        for (int j = 0; j < V; j++) /* the first maximum (torch.argmax's tie rule) */
+            if (l[j] > M) M = l[j], best = j;
+        M /= t;
+        v16 sum = {0};
+        float tail = 0.0f;
+        for (int j = 0; j < V16; j += 16) {
+            v16 z;
+            memcpy(&z, l + j, sizeof z);
+            z = vexp(z / t - M, 1);
+            memcpy(p + j, &z, sizeof z);
+            sum += z;
+        }
+        for (int j = V16; j < V; j++) tail += (p[j] = expf(l[j] / t - M));
+        const float total = hsum(sum) + tail;
+        int chosen = best;
+        if (temperature > 0.0f) {
+            const float target = u[r] * total;
+            float c = 0.0f;
+            int j = 0;
+            for (; j < V16; j += 16) { /* whole blocks of 16 first, then the block that crosses */
+                v16 z;
+                memcpy(&z, p + j, sizeof z);
+                float bs = hsum(z);
+                if (c + bs >= target) break;
+                c += bs;
+            }
+            chosen = V - 1; /* u·total past the last sum by rounding: the last token, as torch clamps */
+            for (; j < V; j++) {
+                c += p[j];
+                if (c >= target) {
+                    chosen = j;
+                    break;
+                }
+            }
+        }
+        tok[r] = chosen;
+        logp[r] = (l[chosen] / t - M) - logf(total);
+    }
+}

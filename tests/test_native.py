@@ -1,0 +1,204 @@
+"""keel.native's kernels (keel/decode_ops.c) against the torch ops they replace: exact where the
+same roundings give the same bits (rotary, the residual add), within a rounding of the dtype
+elsewhere (different summation order or exp); and whole decode steps and rollouts against the
+same decoder on torch ops."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+import keel.decode as decode
+import keel.native as native
+import keel.rollout as engine
+from fakes import EchoEnv, make_tasks
+from keel.rollout import SamplingParams, rollout
+
+LIB = native.ops()
+needs_lib = pytest.mark.skipif(LIB is None, reason="no C compiler here: keel.decode runs torch ops")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _within_rounding(a: torch.Tensor, b: torch.Tensor, ulps: float = 1.0):
+    """a and b in their dtype differ by at most `ulps` units in the last place of the larger."""
+    eps = torch.finfo(a.dtype).eps  # bf16 2^-7, fp32 2^-23
+    a, b = a.double(), b.double()
+    bound = ulps * eps * torch.maximum(a.abs(), b.abs()) + 1e-30
+    assert ((a - b).abs() <= bound).all(), ((a - b).abs() / bound).max().item()
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add_match_transformers(dtype):
+    torch.manual_seed(0)
+    h, delta = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+    weight = (1 + 0.1 * torch.randn(96)).to(dtype)
+    nat, ref = decode._NativeOps(LIB, 1e-5, dtype), decode._TorchOps(1e-5)
+    h_ref, x_ref = ref.norm(h, delta, weight)
+    h_nat, x_nat = nat.norm(h.clone(), delta, weight)
+    assert torch.equal(h_nat, h_ref)  # the residual add: one rounding either way
+    _within_rounding(x_nat, x_ref)
+    _, x0 = nat.norm(h.clone(), None, weight)
+    _within_rounding(x0, ref.norm(h, None, weight)[1])
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_is_bit_exact(dtype):
+    torch.manual_seed(1)
+    H, KV, D = 4, 2, 64
+    qkv = torch.randn(3, (H + 2 * KV) * D).to(dtype)
+    angle = torch.rand(3, D // 2) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, -1).to(dtype), torch.cat([angle.sin()] * 2, -1).to(dtype)
+    expect = decode._TorchOps(1e-5).rotary(qkv.clone(), cos, sin, H, KV, D)
+    got = decode._NativeOps(LIB, 1e-5, dtype).rotary(qkv.clone(), cos, sin, H, KV, D)
+    for a, b in zip(got, expect):
+        assert torch.equal(a, b)
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_matches_torch(dtype):
+    torch.manual_seed(2)
+    gu = (4 * torch.randn(6, 2 * 80)).to(dtype)
+    got = decode._NativeOps(LIB, 1e-5, dtype).swiglu(gu, 80)
+    expect = decode._TorchOps(1e-5).swiglu(gu, 80)
+    _within_rounding(got, expect, ulps=2 if dtype == torch.float32 else 1)
+
+
+def _attention_reference(q, pk, pv, keys, values, visible, scale):
+    """float64 attention of q [B, H, D] over [prefix ‖ own keys], own keys masked by visible [B, L]."""
+    B, H, D = q.shape
+    KV = keys.shape[1]
+    rep = H // KV
+    out = torch.zeros(B, H, D, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            g = h // rep
+            k_all = [keys[b, g][visible[b]].double()]
+            v_all = [values[b, g][visible[b]].double()]
+            if pk is not None:
+                k_all.insert(0, pk[0, g].double())
+                v_all.insert(0, pv[0, g].double())
+            k, v = torch.cat(k_all), torch.cat(v_all)
+            w = torch.softmax(k @ q[b, h].double() * scale, dim=0)
+            out[b, h] = w @ v
+    return out
+
+
+class _Layer:
+    def __init__(self, prefix):
+        self.prefix = prefix
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 6, 2, 64, 37, 21), (3, 8, 8, 32, 0, 19), (2, 4, 1, 128, 16, 1)])
+def test_attention_matches_a_float64_reference(dtype, shape):
+    """Grouped heads, a shared prefix that is not a multiple of 16 long (or none), the rows' own keys
+    in a strided growing buffer with holes in their mask."""
+    B, H, KV, D, P, L = shape
+    torch.manual_seed(3)
+    qkv = torch.randn(B, (H + 2 * KV) * D).to(dtype)
+    q = qkv[:, : H * D].view(B, H, D)
+    kbuf, vbuf = torch.randn(B, KV, L + 7, D).to(dtype), torch.randn(B, KV, L + 7, D).to(dtype)
+    keys, values = kbuf[:, :, :L], vbuf[:, :, :L]
+    prefix = (torch.randn(1, KV, P, D).to(dtype), torch.randn(1, KV, P, D).to(dtype)) if P else None
+    attn = torch.ones(B, P + L, dtype=torch.long)
+    attn[0, P + 1 : P + L // 2] = 0  # a hole in row 0's own keys
+    if L > 1:
+        attn[-1, P : P + L - 1] = 0  # the last row sees only its newest own key
+    scale = D**-0.5
+    ops = decode._NativeOps(LIB, 1e-5, dtype)
+    got = ops.attend(0, q, _Layer(prefix), keys, values, ops.prepare(attn, P, H, KV, dtype), scale).view(B, H, D)
+    expect = _attention_reference(q, *(prefix or (None, None)), keys, values, attn[:, P:].bool(), scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), expect, atol=2e-6, rtol=1e-5)
+    else:  # inputs are exact; fp32 inside, one rounding at the end
+        _within_rounding(got, expect.to(dtype), ulps=1)
+    torch_ops = decode._TorchOps(1e-5)
+    on_torch = torch_ops.attend(0, q, _Layer(prefix), keys, values, torch_ops.prepare(attn, P, H, KV, dtype), scale).view(B, H, D)
+    assert (got.double() - expect).abs().max() <= (on_torch.double() - expect).abs().max() + 1e-6
+
+
+@needs_lib
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_sampling_matches_the_torch_inverse_cdf(temperature, monkeypatch):
+    torch.manual_seed(4)
+    logits = 3 * torch.randn(6, 1003)
+    logits[2, 500:] = float("-inf")  # a row with half its vocabulary masked
+    params = SamplingParams(temperature=temperature if temperature else 1.0, greedy=temperature == 0.0)
+    tok, logp = engine._choose(logits, params, torch.Generator().manual_seed(5))
+    monkeypatch.setattr(native, "ops", lambda: None)
+    tok_ref, logp_ref = engine._choose(logits, params, torch.Generator().manual_seed(5))
+    assert torch.equal(tok, tok_ref)
+    torch.testing.assert_close(logp, logp_ref, atol=2e-6, rtol=0)
+    assert tok[2] < 500
+
+
+def _gqa_model(dtype):
+    """A tiny random Llama whose head dim (32) the kernels serve (the suite's tiny model has 16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(6)
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=2)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def _greedy_episodes(model, tok):
+    call = tok.encode('<tool_call>\n{"name": "lookup", "arguments": {"x": "a"}}\n</tool_call><|im_end|>', add_special_tokens=False)
+    params = SamplingParams(max_turns=3, max_new_tokens=20, greedy=True)
+    return rollout(model, tok, EchoEnv(lengths=(1, 7, 3, 12)), make_tasks(5), params,
+                   steer=lambda row, turn: call if turn < row % 3 else None)
+
+
+@needs_lib
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rollouts_on_the_kernels_match_rollouts_on_torch_ops(tiny, dtype, monkeypatch):
+    """Multi-turn ragged rollouts with a shared prefix: the same greedy tokens, log-probs within
+    rounding (bf16: the kernels round once where torch's kernels round twice)."""
+    model = _gqa_model(dtype)
+    assert isinstance(decode.LeanDecoder.build(model).ops, decode._NativeOps)
+    on_kernels = _greedy_episodes(model, tiny[1])
+    monkeypatch.setattr(native, "ops", lambda: None)
+    assert isinstance(decode.LeanDecoder.build(model).ops, decode._TorchOps)
+    on_torch = _greedy_episodes(model, tiny[1])
+    assert [t.token_ids for t in on_kernels] == [t.token_ids for t in on_torch]
+    diff = max(abs(x - y) for a, b in zip(on_kernels, on_torch) for x, y in zip(a.logprobs, b.logprobs))
+    assert diff <= (1e-5 if dtype == torch.float32 else 0.05), diff
+    assert sum(t.num_policy_tokens for t in on_kernels) > 40
+
+
+def test_no_compiler_or_a_failed_build_falls_back_to_torch_ops(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path))
+    native.ops.cache_clear()
+    try:
+        monkeypatch.setenv("KEEL_NATIVE", "0")
+        assert native.ops() is None
+        native.ops.cache_clear()
+        monkeypatch.delenv("KEEL_NATIVE")
+        monkeypatch.setenv("CC", "false")  # a "compiler" that fails
+        with caplog.at_level(logging.WARNING, logger="keel.native"):
+            assert native.ops() is None
+        assert "could not build decode_ops.c" in caplog.text
+        assert not any((tmp_path / "native").iterdir())  # no half-written library left behind
+    finally:
+        native.ops.cache_clear()
+
+
+@needs_lib
+def test_the_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path))
+    native.ops.cache_clear()
+    try:
+        assert native.ops() is not None
+        built = list((tmp_path / "native").iterdir())
+        assert len(built) == 1 and built[0].suffix == ".so"
+        native.ops.cache_clear()
+        mtime = built[0].stat().st_mtime_ns
+        assert native.ops() is not None and built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+    finally:
+        native.ops.cache_clear()
