@@ -1,7 +1,11 @@
-/* keel/decode_ops.c: the element-wise work of keel.decode's decode step, one call per fused
- * group of ops instead of one torch op each (see keel/native.py). Rows are [rows, n] contiguous;
- * `bf16` selects bf16 storage (uint16, rounded to nearest even as torch rounds) or fp32. Every
- * quantity is computed in fp32, rounded where transformers' bf16 forward rounds. */
+/* keel/decode_ops.c: the work of keel.decode's decode step between its matrix multiplies, and
+ * keel.rollout's sampling, one call per fused group instead of one torch op each (keel/native.py
+ * builds this file with the system's C compiler and loads it with ctypes).
+ * Tensors are contiguous rows; `bf16` selects bf16 storage (uint16, rounded to nearest even as
+ * torch rounds) or fp32. Element-wise groups compute in fp32 and round where transformers'
+ * forward rounds in that dtype; the attention and the sampling work in fp32 throughout.
+ * Vectors are GCC/Clang vector extensions of 16 floats (one AVX-512 register; the compiler splits
+ * them where the CPU has narrower ones). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

@@ -1,17 +1,23 @@
-"""Keel's small native kernels (keel/decode_ops.c), compiled on first use, with torch as fallback.
+"""Keel's native kernels (keel/decode_ops.c), compiled on first use, with torch ops as fallback.
 
 At decode shapes (batch 16, SmolLM2's 576-wide rows) an eager torch op costs 5–40 µs of dispatch,
-allocation and dtype round trips for microseconds of arithmetic, and a decode step runs ~45 of
+allocation and dtype round trips for microseconds of arithmetic, and a decode step ran ~45 of
 them per layer: RMSNorm alone is nine ops (upcast, square, mean, add, rsqrt, multiply, downcast,
-weight multiply), rotary six, the residual adds and SwiGLU four more. keel/decode_ops.c does each
-fused group in one pass over the rows, with the same roundings as transformers' forward in the
-same dtype (fp32 or bf16). No maintained library ships these fused CPU ops for this torch
-(intel-extension-for-pytorch, which did, stopped at torch 2.8), so Keel compiles its own ~100
-lines of C with the system's C compiler once per machine and source (`cc -O3 -march=native`,
-cached under keel.models.cache_dir()/native) and calls them through ctypes.
+weight multiply), rotary six, the residual adds and SwiGLU four more; the attention over a
+shared prefix and the rows' own keys was two flash-attention calls and a dozen ops to merge them;
+sampling six ops over the 49k-token vocabulary. keel/decode_ops.c does each group in one call:
+the element-wise groups with the same roundings as transformers' forward in the same dtype (fp32
+or bf16), the attention and the sampling in fp32 (keel.decode, keel.rollout._choose).
 
-`ops()` returns the loaded library, or None — no compiler, a failed build, or KEEL_NATIVE=0 in
-the environment — and keel.decode then runs the same step in torch ops.
+No maintained library ships these fused CPU ops for this torch (intel-extension-for-pytorch,
+which did, stopped at torch 2.8), so Keel compiles its own with the system's C compiler, once per
+machine and source (`cc -O3 -march=native -fopenmp`, 4 s; without -fopenmp or -march=native
+where the compiler refuses them), caches the library under keel.models.cache_dir()/native and
+calls it through ctypes. With PyPI's torch the library's OpenMP is torch's own libgomp (already
+loaded, so the attention's threads are torch's threads: `torch.set_num_threads` applies).
+
+`ops()` returns the loaded library, or None — no compiler, every build failed, or KEEL_NATIVE=0
+in the environment — and the callers then run the same work in torch ops.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_ops.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
+BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno"]
+# tried in order: the first set the compiler accepts is built
+FLAG_SETS = [["-march=native", "-fopenmp"], ["-march=native"], []]
 
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 SIGNATURES = {
@@ -56,18 +64,28 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-def build(cc: str, dest: Path) -> Path:
-    """Compile SOURCE into `dest` (a shared library); raises CalledProcessError with cc's message."""
+def build(cc: str, dest: Path) -> list[str]:
+    """Compile SOURCE into the shared library `dest` with the first of FLAG_SETS the compiler
+    accepts; returns those flags. Raises CalledProcessError (the last attempt's) if none builds.
+    Written to a temporary file and renamed: a concurrent or killed build never leaves half a
+    library at `dest`."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
-        os.replace(tmp, dest)  # atomic: a concurrent build or a killed one never leaves half a library
+        for i, extra in enumerate(FLAG_SETS):
+            try:
+                subprocess.run([cc, *BASE_FLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
+            except subprocess.CalledProcessError:
+                if i == len(FLAG_SETS) - 1:
+                    raise
+                continue
+            os.replace(tmp, dest)
+            return extra
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return dest
+    raise AssertionError("unreachable")
 
 
 @functools.cache
@@ -79,17 +97,21 @@ def ops() -> ctypes.CDLL | None:
     if cc is None:
         log.info("keel.native: no C compiler found; the decode step runs in torch ops")
         return None
+    import torch  # noqa: F401  (loaded first, so the library's libgomp.so.1 resolves to torch's)
+
     from keel.models import cache_dir
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_id().encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *BASE_FLAGS, *map(" ".join, FLAG_SETS)]).encode()
+                         + _cpu_id().encode()).hexdigest()[:16]
     path = cache_dir() / "native" / f"decode_ops-{key}.so"
     try:
         if not path.exists():
             build(cc, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        log.warning("keel.native: could not build %s (%s); the decode step runs in torch ops", SOURCE.name, detail.strip().splitlines()[-1:] )
+        detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
+        log.warning("keel.native: could not build %s with %s (%s); the decode step runs in torch ops", SOURCE.name, cc,
+                    detail[-1] if detail else "no message")
         return None
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)

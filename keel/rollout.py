@@ -435,37 +435,38 @@ def rollout(
                 r.forced = steer(i, r.turn) if steer else None
             while True:
                 tok, logp = _choose(logits, params, gens, gen)
-                feed = torch.full((B, 1), pad, dtype=torch.long, device=device)
-                col = torch.zeros(B, 1, dtype=torch.long, device=device)
-                positions = torch.zeros(B, 1, dtype=torch.long, device=device)
+                # the step's inputs as Python lists, made tensors once (not 3 × B element writes)
+                toks, lps = tok.tolist(), logp.tolist()
+                feed, col, positions = [pad] * B, [0] * B, [0] * B
                 for b, i in enumerate(live):
                     if not gen[b]:
                         continue
                     r = rows[i]
                     k = len(r.ids) - r.turn_start
-                    t = int(tok[b])
-                    lp = float(logp[b])
+                    t = toks[b]
+                    lp = lps[b]
                     if r.forced is not None and k < len(r.forced):
                         t = r.forced[k]
                         lp = float(torch.log_softmax(logits[b] / (1.0 if params.greedy else params.temperature), -1)[t])
                     r.ids.append(t)
                     r.sources.append(Source.POLICY)
                     r.logprobs.append(lp)
-                    feed[b, 0] = t
-                    col[b, 0] = 1
-                    positions[b, 0] = r.n_valid
+                    feed[b] = t
+                    col[b] = 1
+                    positions[b] = r.n_valid
                     r.pending = [t]
                     if t == eos or k + 1 >= params.max_new_tokens or len(r.ids) >= params.max_total_tokens:
                         gen[b] = False
                 if not any(gen):
                     break
-                attn = torch.cat([attn, col], dim=1)
+                step_ids, step_positions = (torch.tensor(x, dtype=torch.long, device=device)[:, None] for x in (feed, positions))
+                attn = torch.cat([attn, torch.tensor(col, dtype=attn.dtype, device=device)[:, None]], dim=1)
                 if decoder is not None:
-                    logits = decoder.step(feed, attn, positions, cache)
+                    logits = decoder.step(step_ids, attn, step_positions, cache)
                 else:
-                    logits, cache = _forward(model, feed, attn, positions, cache)
+                    logits, cache = _forward(model, step_ids, attn, step_positions, cache)
                 for b, i in enumerate(live):
-                    if col[b, 0]:
+                    if col[b]:
                         rows[i].n_valid += 1
                         rows[i].pending = []
             # ---- execute calls, decide who continues, append tool responses ----

@@ -202,3 +202,28 @@ def test_the_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
         assert native.ops() is not None and built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
     finally:
         native.ops.cache_clear()
+
+
+@needs_lib
+def test_a_compiler_without_openmp_still_builds_the_kernels(tmp_path, monkeypatch):
+    """The next flag set is tried when the compiler refuses one: here -fopenmp (single-threaded kernels)."""
+    fake = tmp_path / "cc-no-openmp"
+    fake.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "unknown option -fopenmp" >&2; exit 1; }}; done\n'
+                    f'exec {native._compiler()} "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("KEEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(fake))
+    native.ops.cache_clear()
+    try:
+        lib = native.ops()
+        assert lib is not None
+        ops = decode._NativeOps(lib, 1e-5, torch.float32)
+        torch.manual_seed(7)
+        qkv = torch.randn(2, 8 * 32)
+        keys, values = torch.randn(2, 2, 5, 32), torch.randn(2, 2, 5, 32)
+        attn = torch.ones(2, 5, dtype=torch.long)
+        got = ops.attend(0, qkv[:, : 4 * 32].view(2, 4, 32), _Layer(None), keys, values, ops.prepare(attn, 0, 4, 2, torch.float32), 0.2)
+        expect = _attention_reference(qkv[:, : 4 * 32].view(2, 4, 32), None, None, keys, values, attn.bool(), 0.2)
+        torch.testing.assert_close(got.view(2, 4, 32).double(), expect, atol=2e-6, rtol=1e-5)
+    finally:
+        native.ops.cache_clear()
