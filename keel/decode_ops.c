@@ -58,10 +58,10 @@ static inline void store16(void *p, long i, v16 f, int bf16) {
  * add (a fused multiply-add rounds once where torch rounds twice). */
 static inline v16 round16(v16 f, int bf16) {
     if (!bf16) {
-#if defined(__x86_64__)
-        __asm__("" : "+v"(f));
+#if defined(__AVX512F__)
+        __asm__("" : "+v"(f)); /* f is one zmm register */
 #else
-        __asm__ volatile("" : : "r"(&f) : "memory");
+        __asm__ volatile("" : : "r"(&f) : "memory"); /* f is several registers: through memory */
 #endif
         return f;
     }
