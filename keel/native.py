@@ -73,19 +73,15 @@ def build(cc: str, dest: Path) -> list[str]:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest.parent)
     os.close(fd)
     try:
-        for i, extra in enumerate(FLAG_SETS):
-            try:
-                subprocess.run([cc, *BASE_FLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True, text=True)
-            except subprocess.CalledProcessError:
-                if i == len(FLAG_SETS) - 1:
-                    raise
-                continue
-            os.replace(tmp, dest)
-            return extra
+        for extra in FLAG_SETS:
+            done = subprocess.run([cc, *BASE_FLAGS, *extra, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+            if done.returncode == 0:
+                os.replace(tmp, dest)
+                return extra
+        raise subprocess.CalledProcessError(done.returncode, done.args, done.stdout, done.stderr)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    raise AssertionError("unreachable")
 
 
 @functools.cache
@@ -106,7 +102,8 @@ def ops() -> ctypes.CDLL | None:
     path = cache_dir() / "native" / f"decode_ops-{key}.so"
     try:
         if not path.exists():
-            build(cc, path)
+            flags = build(cc, path)
+            log.info("keel.native: built %s with %s %s", path.name, cc, " ".join(flags) or "(no -march=native, no OpenMP)")
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()

