@@ -16,8 +16,9 @@ where four do the same work. `LeanDecoder.step` computes the same function with
   fp32) as one call each; else `_TorchOps`: RMSNorm as transformers computes it, rotary on q and
   k in one set of element-wise ops, SwiGLU, and keel.cascade's split attention (or one SDPA call
   without a shared prefix), masks prepared once per step for all layers.
-  On an AMX Xeon (LOG.md, twenty-sixth session) the kernels took a bf16 decode step at batch 16
-  from ~41 to ~30 ms and an fp32 one from ~84 to ~66.
+  On an AMX Xeon (LOG.md, twenty-sixth session) the kernels took bench/sampler_vs_generate.py's
+  decode step (batch 16, sampling included) from 42.4 to 33.4 ms in bf16 and from 79.1 to 69.9
+  ms in fp32.
 
 It is used only for width-1 decode steps of `keel.rollout`; prefill and the tool-response blocks
 still run transformers' forward into the same cache. `tests/test_decode.py` checks the torch
