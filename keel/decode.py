@@ -83,6 +83,12 @@ def laid_out(weight: torch.Tensor):
     return transposed.__rmatmul__  # x ↦ x @ transposed
 
 
+def _split_heads(qkv, heads: int, kv_heads: int, head_dim: int):
+    """The q/k/v GEMM's output [B, (H + 2·KV)·D] as views: q and k side by side [B, H + KV, D], v [B, KV, D]."""
+    B, k_end = qkv.shape[0], (heads + kv_heads) * head_dim
+    return qkv[:, :k_end].view(B, heads + kv_heads, head_dim), qkv[:, k_end:].view(B, kv_heads, head_dim)
+
+
 class _TorchOps:
     """The decode step's element-wise work as torch ops (any device, any dtype)."""
 
@@ -98,11 +104,9 @@ class _TorchOps:
     def rotary(self, qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
         """q, k (rotary applied to both in one set of element-wise ops: they sit side by side in
         the q/k/v GEMM's output) and v, as [B, heads, D] views."""
-        B = qkv.shape[0]
-        k_end = (heads + kv_heads) * head_dim
-        qk = qkv[:, :k_end].view(B, heads + kv_heads, head_dim)
+        qk, v = _split_heads(qkv, heads, kv_heads, head_dim)
         qk = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
-        return qk[:, :heads], qk[:, heads:], qkv[:, k_end:].view(B, kv_heads, head_dim)
+        return qk[:, :heads], qk[:, heads:], v
 
     def swiglu(self, gu, intermediate: int):
         gate, up = gu.split(intermediate, dim=-1)
@@ -124,6 +128,11 @@ class _TorchOps:
         return out.reshape(B, -1)
 
 
+def _up16(n: int) -> int:
+    """n rounded up to a multiple of 16 (the kernels' vector width)."""
+    return -(-n // 16) * 16
+
+
 class _NativeOps:
     """The same work through keel/decode_ops.c (keel.native): one call per fused group, the same
     roundings in fp32 or bf16; contiguous CPU tensors only. The residual stream h is updated in
@@ -134,10 +143,11 @@ class _NativeOps:
         self._prefixes: dict[int, tuple] = {}  # layer → (prefix keys it was made from, kt, vp, P, P16)
 
     @staticmethod
-    def serves(d: "LeanDecoder", embed: torch.Tensor) -> bool:
+    def serves(d: "LeanDecoder") -> bool:
         """Whether the kernels cover this model and weights: CPU, fp32 or bf16, rows of a multiple
         of 16 values, head dim 32, 64 or 128, 1, 2, 3, 4 or 8 query heads per kv head (the
         attention kernel is compiled for each of those shapes; SmolLM2-135M: 64 and 3)."""
+        embed = d.embed
         return (embed.device.type == "cpu" and embed.dtype in (torch.float32, torch.bfloat16) and embed.shape[1] % 16 == 0
                 and d.intermediate % 16 == 0 and d.head_dim in (32, 64, 128) and d.heads % d.kv_heads == 0
                 and d.heads // d.kv_heads in (1, 2, 3, 4, 8))
@@ -149,11 +159,10 @@ class _NativeOps:
         return h, out
 
     def rotary(self, qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
-        B = qkv.shape[0]
-        self.lib.keel_rotary(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), B, heads + kv_heads, head_dim, qkv.shape[1], self.bf16)
-        k_end = (heads + kv_heads) * head_dim
-        return (qkv[:, : heads * head_dim].view(B, heads, head_dim), qkv[:, heads * head_dim : k_end].view(B, kv_heads, head_dim),
-                qkv[:, k_end:].view(B, kv_heads, head_dim))
+        self.lib.keel_rotary(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], heads + kv_heads, head_dim, qkv.shape[1],
+                             self.bf16)
+        qk, v = _split_heads(qkv, heads, kv_heads, head_dim)
+        return qk[:, :heads], qk[:, heads:], v
 
     def swiglu(self, gu, intermediate: int):
         out = gu.new_empty(gu.shape[0], intermediate)
@@ -161,7 +170,10 @@ class _NativeOps:
         return out
 
     def prepare(self, attn, P: int, heads: int, kv_heads: int, dtype):
-        return attn if attn.dtype == torch.int64 and attn.is_contiguous() else attn.to(torch.int64).contiguous()
+        """(the mask as int64 rows, the attention's fp32 scratch [B·H, P16 + L16]): one allocation a
+        step, shared by every layer."""
+        mask = attn if attn.dtype == torch.int64 and attn.is_contiguous() else attn.to(torch.int64).contiguous()
+        return mask, torch.empty(attn.shape[0] * heads * (_up16(P) + _up16(attn.shape[1] - P)), dtype=torch.float32)
 
     def _prefix(self, i: int, layer):
         """The layer's shared prefix as the kernel reads it, made once per prefix: fp32 keys
@@ -170,7 +182,7 @@ class _NativeOps:
         got = self._prefixes.get(i)
         if got is None or got[0] is not pk:
             KV, P, D = pk.shape[1:]
-            P16 = -(-P // 16) * 16
+            P16 = _up16(P)
             kt = pk.new_zeros(KV, D, P16, dtype=torch.float32)
             kt[:, :, :P] = pk[0].transpose(1, 2)
             vp = pk.new_zeros(KV, P16, D, dtype=torch.float32)
@@ -178,7 +190,8 @@ class _NativeOps:
             got = self._prefixes[i] = (pk, kt, vp, P, P16)
         return got[1:]
 
-    def attend(self, i: int, q, layer, keys, values, mask, scale: float):
+    def attend(self, i: int, q, layer, keys, values, prepared, scale: float):
+        mask, scratch = prepared
         B, H, D = q.shape
         KV, L = keys.shape[1], keys.shape[2]
         if layer.prefix is not None:
@@ -192,7 +205,6 @@ class _NativeOps:
             raise RuntimeError(f"keel.decode: keys {tuple(keys.stride())}, values {tuple(values.stride())}, queries "
                                f"{tuple(q.stride())}: the kernel reads rows of {D} contiguous values")
         out = q.new_empty(B, H * D)
-        scratch = torch.empty(B * H * (P16 + -(-L // 16) * 16), dtype=torch.float32)
         self.lib.keel_decode_attention(q.data_ptr(), q.stride(0), None if kt is None else kt.data_ptr(), None if vp is None else vp.data_ptr(),
                                        P, P16, keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), L,
                                        mask.data_ptr() + P * mask.element_size(), mask.stride(0), out.data_ptr(), scratch.data_ptr(),
@@ -236,7 +248,7 @@ class LeanDecoder:
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         with torch.no_grad():
             self.layers = [_Layer(layer) for layer in inner.layers]
-        lib = native.ops() if _NativeOps.serves(self, self.embed) else None
+        lib = native.ops() if _NativeOps.serves(self) else None
         self.ops = _NativeOps(lib, self.eps, self.embed.dtype) if lib is not None else _TorchOps(self.eps)
 
     @staticmethod

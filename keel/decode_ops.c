@@ -298,15 +298,20 @@ void keel_decode_attention(const void *q, long q_row, const float *pkt, const fl
 /* Inverse-CDF sampling from softmax(logits / temperature) over each row of logits [rows, V]
  * (fp32), as keel.rollout._choose does it in torch: the first token whose running sum of
  * probabilities reaches u[r] times their total; temperature ≤ 0: the first maximal logit (greedy,
- * u unused). tok[r] and its log-probability logp[r]; scratch [rows, V] fp32. */
-void keel_sample(const float *logits, int rows, int V, float temperature, const float *u, int64_t *tok, float *logp,
-                 float *scratch) {
+ * u unused). tok[r] and its log-probability logp[r]. The scan recomputes each block's
+ * exponentials (the same values as the total's) instead of keeping a [rows, V] buffer. */
+static inline v16 block_exp(const float *l, int j, float t, float M) {
+    v16 z;
+    memcpy(&z, l + j, sizeof z);
+    return vexp(z / t - M, 1);
+}
+
+void keel_sample(const float *logits, int rows, int V, float temperature, const float *u, int64_t *tok, float *logp) {
     const int V16 = V / 16 * 16;
     const float t = temperature > 0.0f ? temperature : 1.0f;
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < rows; r++) {
         const float *l = logits + (long)r * V;
-        float *p = scratch + (long)r * V;
         float M = -INFINITY;
         int best = 0;
         for (int j = 0; j < V; j++) /* the first maximum (torch.argmax's tie rule) */
@@ -314,30 +319,24 @@ void keel_sample(const float *logits, int rows, int V, float temperature, const 
         M /= t;
         v16 sum = {0};
         float tail = 0.0f;
-        for (int j = 0; j < V16; j += 16) {
-            v16 z;
-            memcpy(&z, l + j, sizeof z);
-            z = vexp(z / t - M, 1);
-            memcpy(p + j, &z, sizeof z);
-            sum += z;
-        }
-        for (int j = V16; j < V; j++) tail += (p[j] = expf(l[j] / t - M));
+        for (int j = 0; j < V16; j += 16) sum += block_exp(l, j, t, M);
+        for (int j = V16; j < V; j++) tail += expf(l[j] / t - M);
         const float total = hsum(sum) + tail;
         int chosen = best;
         if (temperature > 0.0f) {
             const float target = u[r] * total;
             float c = 0.0f;
             int j = 0;
-            for (; j < V16; j += 16) { /* whole blocks of 16 first, then the block that crosses */
-                v16 z;
-                memcpy(&z, p + j, sizeof z);
-                float bs = hsum(z);
+            for (; j < V16; j += 16) { /* whole blocks of 16 first, then token by token from the block that crosses */
+                float bs = hsum(block_exp(l, j, t, M));
                 if (c + bs >= target) break;
                 c += bs;
             }
             chosen = V - 1; /* u·total past the last sum by rounding: the last token, as torch clamps */
+            v16 z = {0};
             for (; j < V; j++) {
-                c += p[j];
+                if (j < V16 && j % 16 == 0) z = block_exp(l, j, t, M);
+                c += j < V16 ? z[j % 16] : expf(l[j] / t - M);
                 if (c >= target) {
                     chosen = j;
                     break;

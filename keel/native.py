@@ -45,7 +45,7 @@ SIGNATURES = {
     "keel_add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I],
     "keel_rotary": [_P, _P, _P, _I, _I, _I, _L, _I],
     "keel_silu_mul": [_P, _P, _I, _I, _I],
-    "keel_sample": [_P, _I, _I, _F, _P, _P, _P, _P],
+    "keel_sample": [_P, _I, _I, _F, _P, _P, _P],
     "keel_decode_attention": [_P, _L, _P, _P, _I, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F, _I],
 }
 

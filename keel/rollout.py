@@ -338,9 +338,9 @@ def _choose(logits: torch.Tensor, params: SamplingParams, generator, active: Seq
         logits = logits.contiguous()
         B, V = logits.shape
         u = torch.zeros(B) if params.greedy else _uniforms(B, generator, active, logits.device)[:, 0].contiguous()
-        tok, logp, scratch = torch.empty(B, dtype=torch.long), torch.empty(B), torch.empty(B, V)
+        tok, logp = torch.empty(B, dtype=torch.long), torch.empty(B)
         lib.keel_sample(logits.data_ptr(), B, V, 0.0 if params.greedy else float(params.temperature), u.data_ptr(), tok.data_ptr(),
-                        logp.data_ptr(), scratch.data_ptr())
+                        logp.data_ptr())
         return tok, logp
     if params.greedy:
         logp = torch.log_softmax(logits, dim=-1)
