@@ -95,3 +95,30 @@ def test_prefill_encodes_long_prompts_that_share_little_one_by_one(tiny, monkeyp
         engine._prefill(model, [tails[0] + t[:3] for t in tails], "cpu")  # lcp 40, remainders 3: one block
         engine._prefill(model, [long_tails[1]] * 4, "cpu")  # a group of one task: one block
     assert seen == [3]
+
+
+@pytest.mark.parametrize("cascading", [False, True])
+def test_prefill_encodes_each_distinct_question_once(tiny, monkeypatch, cascading):
+    """A GRPO batch asks each question group_size times: the block forward gets each distinct
+    remainder once, and every row's last logits, keys, values and mask equal those of the same
+    prompt in a batch without repeats (fp32: bit for bit), and its own forward's logits."""
+    model, _ = tiny
+    g = torch.Generator().manual_seed(1)
+    start = torch.randint(5, 1000, (40,), generator=g).tolist()
+    a, b, c = (start + torch.randint(5, 1000, (n,), generator=g).tolist() for n in (5, 9, 2))
+    rows = [a, b, a, a, c, b]
+    fed = []
+    original = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda m, ids, *rest: fed.append(ids.shape[0]) or original(m, ids, *rest))
+    with torch.no_grad(), engine._cascade_attention(model, cascading):
+        logits, cache, attn = engine._prefill(model, rows, "cpu")
+        assert fed == [3]
+        once, once_cache, once_attn = engine._prefill(model, [a, b, c], "cpu")
+        which = [0, 1, 0, 0, 2, 1]
+        assert torch.equal(logits, once[which]) and torch.equal(attn, once_attn[which])
+        for layer, single in zip(cache.layers, once_cache.layers):
+            assert torch.equal(layer.keys, single.keys[which]) and torch.equal(layer.values, single.values[which])
+            assert (layer.prefix is not None) == cascading
+        for row, p in enumerate(rows):
+            alone = model(input_ids=torch.tensor([p])).logits[0, -1]
+            assert (logits[row] - alone).abs().max() < 1e-4
