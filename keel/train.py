@@ -110,9 +110,9 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
     ref_prefix = None
     with autocast_context(model, autocast):  # open for the whole update: the weights are cast once (models.autocast_context)
         prefix = update_prefix(model, kept, parts)
-        if ref_net is not None:  # the reference's own encoding of the same prefix, also once per update
+        if ref_net is not None:  # the reference's own encoding of the same prefix: once per update, kept while its weights are the same
             with torch.no_grad(), ref_mode():
-                ref_prefix = update_prefix(ref_net, kept, parts)
+                ref_prefix = update_prefix(ref_net, kept, parts, reuse=ref_net is not model)
         for part in parts:
             idx = [members[j] for j in part]
             batch = collate([trajectories[i] for i in idx], sources=train_sources, pad_id=pad_id,

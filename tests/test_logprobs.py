@@ -200,6 +200,51 @@ def test_update_wide_prefix_gives_the_per_micro_batch_gradients(tiny):
         assert torch.allclose(g0[n], g1[n], atol=1e-5, rtol=1e-4), n
 
 
+def test_a_reference_prefix_is_encoded_once_while_its_weights_are_the_same(tiny):
+    """update_prefix(reuse=True) (the KL reference): the second update with the same prefix gets
+    the first one's encoding back, and the log-probs through it equal those of a fresh encoding
+    and of no shared prefix at all; other prefix tokens, autocast, or weights changed in place
+    encode it again; with gradients on it is refused."""
+    import pytest
+
+    from keel.logprobs import update_prefix
+    from keel.models import frozen_copy
+
+    model, _ = tiny
+    ref = frozen_copy(model)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(5, 200, (40,), generator=g).tolist()
+    seqs = [prefix + torch.randint(5, 200, (n,), generator=g).tolist() for n in (7, 12)]
+    parts = [[0], [1]]
+    ids = torch.tensor([seqs[1]])
+    attn = torch.ones_like(ids)
+    tmask = attn.bool().clone()
+    tmask[:, :41] = False
+    with torch.no_grad():
+        first = update_prefix(ref, seqs, parts, reuse=True)
+        again = update_prefix(ref, [list(s) for s in seqs], parts, reuse=True)
+        assert first is not None and again is first
+        fresh = update_prefix(ref, seqs, parts)
+        assert fresh is not first
+        lp_kept, _ = token_logprobs(ref, ids, attn, tmask, prefix=again)
+        lp_fresh, _ = token_logprobs(ref, ids, attn, tmask, prefix=fresh)
+        lp_plain, _ = token_logprobs(ref, ids, attn, tmask)
+        assert torch.equal(lp_kept, lp_fresh)
+        assert torch.allclose(lp_kept, lp_plain, atol=1e-5)
+        other = [[7] + s[1:] for s in seqs]
+        o32 = update_prefix(ref, other, parts, reuse=True)
+        assert o32 is not first  # other tokens: encoded again
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = update_prefix(ref, other, parts, reuse=True)
+            assert bf16 is not o32 and update_prefix(ref, other, parts, reuse=True) is bf16
+        again = update_prefix(ref, other, parts, reuse=True)
+        assert again is not bf16  # autocast off again: encoded again
+        next(ref.parameters()).mul_(1.0)  # the same values, written in place: the weights may have changed
+        assert update_prefix(ref, other, parts, reuse=True) is not again
+    with pytest.raises(ValueError, match="reuse=True"):
+        update_prefix(ref, seqs, parts, reuse=True)  # gradients enabled
+
+
 def _saved_bytes(fn) -> tuple[int, list[tuple[int, ...]]]:
     """Bytes of the distinct storages autograd keeps for backward while `fn` runs, and their shapes."""
     seen: dict[int, int] = {}
