@@ -373,9 +373,20 @@ def release_weights(copy, model) -> None:
             p.data = p.data.new_empty(0)
 
 
+def adamw(params, lr: float, weight_decay: float = 0.0, eps: float = 1e-8) -> torch.optim.AdamW:
+    """torch's AdamW with its fused kernel where torch has one for the weights' device (CPU,
+    CUDA): one pass over each weight, its gradient and moments, where the default CPU
+    implementation runs about ten element-wise ops per weight (SmolLM2's 135M fp32 weights on 2
+    cores: 0.09 instead of 0.30 s a step, LOG.md, twenty-seventh session). The same update up to
+    rounding: 4e-9 apart after six steps (tests/test_precision.py)."""
+    params = list(params)
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, eps=eps, fused=fused or None)
+
+
 def make_optimizer(model, lr: float, warmup: int, weight_decay: float, eps: float):
     """(AdamW over the trainable weights, its scheduler: a linear warm-up over `warmup` steps, then constant)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, eps=eps)
+    optimizer = adamw(model.parameters(), lr=lr, weight_decay=weight_decay, eps=eps)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
 
 

@@ -37,7 +37,7 @@ from keel.distributed import (DistContext, ShardedUpdate, gather_objects, gather
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
 from keel.losses import aggregate, clipped_surrogate, kl_estimate
 from keel.memory import release_free_memory
-from keel.models import autocast_context, copy_weights, make_optimizer, no_autocast, reference_network, release_weights
+from keel.models import adamw, autocast_context, copy_weights, make_optimizer, no_autocast, reference_network, release_weights
 from keel.rewards import resolve_reward, score
 from keel.rollout import SamplingParams, rollout
 from keel.run import (Run, check_distributed_config, evaluate, evaluate_rl, finish, handle_alerts, interrupted_anywhere, log, make_reference,
@@ -332,7 +332,7 @@ def supervision_phase(run: Run, phase) -> None:
         return
     if cfg.signals.phase_examples:
         examples = sample_examples(examples, cfg.signals.phase_examples, run.rng)
-    optimizer = torch.optim.AdamW(run.model.parameters(), lr=phase.lr, weight_decay=0.0, eps=cfg.grpo.adam_eps)
+    optimizer = adamw(run.model.parameters(), lr=phase.lr, eps=cfg.grpo.adam_eps)
     lines = run_phase(run.model, examples, phase, run.pad_id, cfg.grpo.max_grad_norm, run.rng, cfg.grpo.micro_batch_size,
                       optimizer=optimizer, autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
     for stats in lines:

@@ -140,3 +140,30 @@ def test_optim_lr_is_the_rate_each_update_used(tmp_path):
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     lrs = [(d["phase"], d["optim/lr"]) for d in lines if "optim/lr" in d]
     assert lrs == [("sft", pytest.approx(5e-5)), ("sft", pytest.approx(1e-4)), ("rl", pytest.approx(5e-6)), ("rl", pytest.approx(1e-5))]
+
+
+def test_adamw_runs_fused_on_cpu_and_moves_the_weights_as_the_default_implementation():
+    """keel.models.adamw: torch's fused AdamW on CPU; six steps on the same gradients land within
+    rounding of the default (for-loop) AdamW's weights, and every weight moved by about lr."""
+    from keel.models import adamw
+
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(shape, generator=g) * 0.02 for shape in ((64, 48), (48,), (7, 5, 3))]
+    signs = [torch.randn(p.shape, generator=g).sign() for p in start]
+    grads = [[s * torch.rand(s.shape, generator=g) * 1e-3 for s in signs] for _ in range(6)]  # one direction a weight
+
+    def train(make):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = make(params)
+        for step in grads:
+            for p, gr in zip(params, step):
+                p.grad = gr.clone()
+            opt.step()
+        return opt, [p.detach() for p in params]
+
+    fused, got = train(lambda ps: adamw(ps, lr=1e-3, weight_decay=0.01, eps=1e-8))
+    plain, want = train(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, eps=1e-8))
+    assert fused.defaults["fused"] is True and not plain.defaults["fused"]
+    for a, b, p0 in zip(got, want, start):
+        assert torch.allclose(a, b, rtol=0, atol=1e-8)
+        assert (a - p0).abs().min() > 3e-3  # six steps of ~lr each, one way: every weight moved

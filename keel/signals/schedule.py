@@ -108,12 +108,13 @@ def run_phase(model, examples: Sequence, phase: SupervisionPhase, pad_id: int, m
     import torch
 
     from keel import metrics as M
+    from keel.models import adamw
 
     if not examples:
         return []
     was_training = model.training
     model.train()
-    opt = optimizer or torch.optim.AdamW(model.parameters(), lr=phase.lr, weight_decay=0.0)
+    opt = optimizer or adamw(model.parameters(), lr=phase.lr)
     lines = []
     for _epoch in range(phase.epochs):
         order = list(range(len(examples)))
