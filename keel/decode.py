@@ -13,8 +13,9 @@ where four do the same work. `LeanDecoder.step` computes the same function with
   `_NativeOps`, where keel.native could build its C kernels (keel/decode_ops.c) and the model's
   shapes fit them: the residual add with the next RMSNorm, rotary on q and k, SwiGLU and the whole
   attention over [shared prefix ‖ the row's own keys] (scores, masked softmax, weighted sum in
-  fp32) as one call each; else `_TorchOps`: RMSNorm as transformers computes it, rotary on q and
-  k in one set of element-wise ops, SwiGLU, and keel.cascade's split attention (or one SDPA call
+  fp32) as one call each — in bf16 on a CPU with AMX (`native.amx`), the shared prefix's part of
+  the attention as two tile matrix products over all rows at once; else `_TorchOps`: RMSNorm as
+  transformers computes it, rotary on q and k in one set of element-wise ops, SwiGLU, and keel.cascade's split attention (or one SDPA call
   without a shared prefix), masks prepared once per step for all layers.
   On an AMX Xeon (LOG.md, twenty-sixth session) the kernels took bench/sampler_vs_generate.py's
   decode step (batch 16, sampling included) from 42.4 to 33.4 ms in bf16 and from 79.1 to 69.9
@@ -112,7 +113,7 @@ class _TorchOps:
         gate, up = gu.split(intermediate, dim=-1)
         return F.silu(gate) * up
 
-    def prepare(self, attn, P: int, heads: int, kv_heads: int, dtype):
+    def prepare(self, attn, P: int, heads: int, kv_heads: int, dtype, head_dim: int):
         """The step's mask as `attend` takes it, computed once for all layers."""
         own = attn[:, P:].bool()[:, None, None, :]  # [B, 1, 1, L+1]
         return cascade._rows_mask(own, heads // kv_heads, dtype) if P else own
@@ -138,9 +139,11 @@ class _NativeOps:
     roundings in fp32 or bf16; contiguous CPU tensors only. The residual stream h is updated in
     place (the step owns it: the embedding lookup's fresh output)."""
 
-    def __init__(self, lib, eps: float, dtype: torch.dtype):
+    def __init__(self, lib, eps: float, dtype: torch.dtype, amx: bool = True):
         self.lib, self.eps, self.bf16 = lib, eps, int(dtype == torch.bfloat16)
-        self._prefixes: dict[int, tuple] = {}  # layer → (prefix keys it was made from, kt, vp, P, P16)
+        # bf16 where native.amx says the tiles can be used (and `amx` allows): the attention's AMX kernel
+        self.amx = bool(self.bf16) and amx and native.amx(lib)
+        self._prefixes: dict[int, tuple] = {}  # layer → (prefix keys it was made from, its layout for the kernel...)
 
     @staticmethod
     def serves(d: "LeanDecoder") -> bool:
@@ -169,46 +172,65 @@ class _NativeOps:
         self.lib.keel_silu_mul(gu.data_ptr(), out.data_ptr(), gu.shape[0], intermediate, self.bf16)
         return out
 
-    def prepare(self, attn, P: int, heads: int, kv_heads: int, dtype):
-        """(the mask as int64 rows, the attention's fp32 scratch [B·H, P16 + L16]): one allocation a
-        step, shared by every layer."""
+    def prepare(self, attn, P: int, heads: int, kv_heads: int, dtype, head_dim: int):
+        """(the mask as int64 rows, the attention's fp32 scratch): one allocation a step, shared by
+        every layer."""
         mask = attn if attn.dtype == torch.int64 and attn.is_contiguous() else attn.to(torch.int64).contiguous()
-        return mask, torch.empty(attn.shape[0] * heads * (_up16(P) + _up16(attn.shape[1] - P)), dtype=torch.float32)
+        B, L = attn.shape[0], attn.shape[1] - P
+        if self.amx and P:
+            floats = self.lib.keel_amx_attention_scratch(B, heads, kv_heads, head_dim, P, L)
+        else:
+            floats = B * heads * (_up16(P) + _up16(L))
+        return mask, torch.empty(floats, dtype=torch.float32)
 
     def _prefix(self, i: int, layer):
         """The layer's shared prefix as the kernel reads it, made once per prefix: fp32 keys
-        transposed [KV, D, P16] and values [KV, P16, D], zero-padded to a multiple of 16 positions."""
+        transposed [KV, D, P16] and values [KV, P16, D], zero-padded to a multiple of 16 positions;
+        for the AMX kernel bf16 keys [KV, D/2, P32, 2] and values [KV, P32/2, D, 2] (the tiles'
+        layout: pairs of consecutive dims, resp. positions, side by side), zero-padded to 32."""
         pk, pv = layer.prefix
         got = self._prefixes.get(i)
         if got is None or got[0] is not pk:
             KV, P, D = pk.shape[1:]
-            P16 = _up16(P)
-            kt = pk.new_zeros(KV, D, P16, dtype=torch.float32)
-            kt[:, :, :P] = pk[0].transpose(1, 2)
-            vp = pk.new_zeros(KV, P16, D, dtype=torch.float32)
-            vp[:, :P] = pv[0]
-            got = self._prefixes[i] = (pk, kt, vp, P, P16)
+            if self.amx:
+                P32 = -(-P // 32) * 32
+                keys = pk.new_zeros(KV, P32, D)
+                keys[:, :P] = pk[0]
+                values = pv.new_zeros(KV, P32, D)
+                values[:, :P] = pv[0]
+                pkv = keys.view(KV, P32, D // 2, 2).permute(0, 2, 1, 3).contiguous()
+                pvv = values.view(KV, P32 // 2, 2, D).permute(0, 1, 3, 2).contiguous()
+                got = self._prefixes[i] = (pk, pkv, pvv, P)
+            else:
+                P16 = _up16(P)
+                kt = pk.new_zeros(KV, D, P16, dtype=torch.float32)
+                kt[:, :, :P] = pk[0].transpose(1, 2)
+                vp = pk.new_zeros(KV, P16, D, dtype=torch.float32)
+                vp[:, :P] = pv[0]
+                got = self._prefixes[i] = (pk, kt, vp, P, P16)
         return got[1:]
 
     def attend(self, i: int, q, layer, keys, values, prepared, scale: float):
         mask, scratch = prepared
         B, H, D = q.shape
         KV, L = keys.shape[1], keys.shape[2]
-        if layer.prefix is not None:
-            kt, vp, P, P16 = self._prefix(i, layer)
-        else:
-            kt = vp = None
-            P = P16 = 0
+        prefix = self._prefix(i, layer) if layer.prefix is not None else None
+        P = layer.prefix[0].shape[-2] if prefix is not None else 0
         if mask.shape[1] != P + L:
             raise RuntimeError(f"keel.decode: the mask covers {mask.shape[1]} keys, the layer has {P} shared + {L} own")
         if keys.stride() != values.stride() or keys.stride()[2:] != (D, 1) or q.stride()[1:] != (D, 1):
             raise RuntimeError(f"keel.decode: keys {tuple(keys.stride())}, values {tuple(values.stride())}, queries "
                                f"{tuple(q.stride())}: the kernel reads rows of {D} contiguous values")
         out = q.new_empty(B, H * D)
-        self.lib.keel_decode_attention(q.data_ptr(), q.stride(0), None if kt is None else kt.data_ptr(), None if vp is None else vp.data_ptr(),
-                                       P, P16, keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), L,
-                                       mask.data_ptr() + P * mask.element_size(), mask.stride(0), out.data_ptr(), scratch.data_ptr(),
-                                       B, H, KV, D, scale, self.bf16)
+        own = (keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), L, mask.data_ptr() + P * mask.element_size(),
+               mask.stride(0), out.data_ptr(), scratch.data_ptr(), B, H, KV, D, scale)
+        if self.amx and prefix is not None:
+            pkv, pvv, _ = prefix
+            self.lib.keel_decode_attention_amx(q.data_ptr(), q.stride(0), pkv.data_ptr(), pvv.data_ptr(), P, *own)
+        else:
+            kt, vp, _, P16 = prefix if prefix is not None else (None, None, 0, 0)
+            self.lib.keel_decode_attention(q.data_ptr(), q.stride(0), None if kt is None else kt.data_ptr(),
+                                           None if vp is None else vp.data_ptr(), P, P16, *own, self.bf16)
         return out
 
 
@@ -278,7 +300,7 @@ class LeanDecoder:
         sin = (emb.sin() * self.rope_scaling).to(dtype)
         prefix = getattr(cache.layers[0], "prefix", None)
         ops = self.ops
-        mask = ops.prepare(attn, prefix[0].shape[-2] if prefix is not None else 0, H, KV, dtype)
+        mask = ops.prepare(attn, prefix[0].shape[-2] if prefix is not None else 0, H, KV, dtype, D)
         h, x = ops.norm(h, None, self.layers[0].ln1)
         for i, w in enumerate(self.layers):
             q, k, v = ops.rotary(w.wqkv(x), cos, sin, H, KV, D)

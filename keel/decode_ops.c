@@ -98,9 +98,14 @@ static inline v16 vexp(v16 x, int zero_below) {
 
 /* ---- the element-wise groups (row widths are multiples of 16: keel/native.py checks) ---- */
 
+#ifndef PARALLEL_ROWS
+#define PARALLEL_ROWS 8
+#endif
+
 /* transformers' LlamaRMSNorm: y = weight * dtype(x / sqrt(mean(x^2) + eps)), normalised in fp32.
  * With `delta` (not NULL), first h += delta in place (the residual add, rounded to the dtype). */
 void keel_add_rms_norm(void *h, const void *delta, const void *weight, void *out, int rows, int n, float eps, int bf16) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         long o = (long)r * n;
         v16 ss = {0};
@@ -123,6 +128,7 @@ void keel_add_rms_norm(void *h, const void *delta, const void *weight, void *out
  * dtype, each product rounded before the sum as in transformers' forward. */
 void keel_rotary(void *qkv, const void *cos, const void *sin, int rows, int heads, int d, long stride, int bf16) {
     const int half = d / 2;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         for (int hd = 0; hd < heads; hd++) {
             long o = (long)r * stride + (long)hd * d, c = (long)r * d;
@@ -140,6 +146,7 @@ void keel_rotary(void *qkv, const void *cos, const void *sin, int rows, int head
 /* out [rows, n] = silu(gate) * up, gate and up the two halves of each row of gu [rows, 2n]; silu
  * is rounded to the dtype before the product, as torch computes it. */
 void keel_silu_mul(const void *gu, void *out, int rows, int n, int bf16) {
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         long o = (long)r * 2 * n;
         for (int i = 0; i < n; i += 16) {
@@ -192,7 +199,13 @@ static inline __attribute__((always_inline)) void attend_one(
             }
             for (int r = 0; r < REP; r++) memcpy(S + (long)r * W + j0, acc[r], (two ? 2 : 1) * sizeof(v16));
         }
+        const int es = bf16 ? 2 : 4; /* bytes a value */
         for (int j = 0; j < L; j++) {
+            /* the keys a few positions ahead, and these values for the pass below: two streams from memory at once */
+            for (int c = 0; c < D * es; c += 64) {
+                __builtin_prefetch((const char *)k + (base + (long)(j + 8) * D) * es + c);
+                __builtin_prefetch((const char *)v + (base + (long)j * D) * es + c);
+            }
             if (!m[j]) continue;
             v16 acc[REP];
             for (int r = 0; r < REP; r++) acc[r] = (v16){0};
@@ -346,4 +359,249 @@ void keel_sample(const float *logits, int rows, int V, float temperature, const 
         tok[r] = chosen;
         logp[r] = (l[chosen] / t - M) - logf(total);
     }
+}
+
+/* ---- the same attention in bf16 with AMX tiles for the shared prefix ----
+ * At the rollout's shapes the prefix is most of the attention's arithmetic (the KG task: 560
+ * shared keys, every row's query heads against all of them) and it is the same keys for every
+ * row, so it is a matrix product: all rows' queries of kv head g [B·rep, D] × the prefix keys
+ * [D, P], then the probabilities [B·rep, P] × the prefix values [P, D]. On a CPU with AMX those
+ * two products run as bf16 tiles (fp32 sums); the rows' own keys keep the fp32 code above, and
+ * the softmax spans both parts in fp32 as before. The prefix's probabilities enter the second
+ * product rounded to bf16 (as a bf16 flash-attention kernel rounds them).
+ * Built only where the compiler targets AMX (-march=native on such a CPU); keel_amx() says
+ * whether it is there and the kernel lets this process use the tiles. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KEEL_AMX 1
+#endif
+
+static inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
+
+/* 1 where keel_decode_attention_amx runs: built with AMX, and the kernel grants this process the
+ * tile data state (Linux's ARCH_REQ_XCOMP_PERM; oneDNN asks for it too, asking again is harmless). */
+int keel_amx(void) {
+#ifdef KEEL_AMX
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+    return 0;
+#endif
+}
+
+/* floats of scratch keel_decode_attention_amx needs: scores [KV, M16, P32 + L16], own-value sums
+ * [KV, M16, D], 1/softmax totals [KV, M16], bf16 probabilities [KV, M16, P32] and packed queries
+ * [KV, M16, D] (M16: B·H/KV rounded up to 16 rows, P32: P up to 32, L16: L up to 16), each
+ * region 64-byte aligned within it */
+long keel_amx_attention_scratch(int B, int H, int KV, int D, int P, int L) {
+    const long M16 = round_up((long)B * (H / KV), 16), P32 = round_up(P, 32), L16 = round_up(L, 16);
+    return 16 + KV * M16 * (P32 + L16) + KV * M16 * D + round_up(KV * M16, 16) + KV * M16 * P32 / 2 + KV * M16 * D / 2;
+}
+
+#ifdef KEEL_AMX
+/* One (row b, kv head g) pair between the two tile products: its own keys' scores (fp32 FMAs,
+ * as keel_decode_attention; tiles were tried here and were slower: the keys stream from memory
+ * either way), the softmax over [its prefix scores (raw q·k from the tiles) ‖ own scores], the
+ * prefix probabilities in bf16 for the second product, and its own values' weighted sum (fp32,
+ * unnormalised). */
+static inline __attribute__((always_inline)) void amx_own(
+    const int REP, const int NC, int b, int g, const void *q, long q_row, int P, int P32, const void *k, const void *v,
+    long kv_row, long kv_head, int L, int L16, const int64_t *mask, long mask_row, float *S, uint16_t *Pb, float *O,
+    float *inv, long M16, int W, float scale) {
+    const int D = NC * 16;
+    const long qo = (long)b * q_row + (long)g * REP * D;
+    const long base = (long)b * kv_row + (long)g * kv_head;
+    const long row0 = (long)g * M16 + (long)b * REP; /* this pair's first query row in S, Pb, O, inv */
+    const int64_t *m = mask + (long)b * mask_row;
+    v16 qv[REP][NC];
+    for (int r = 0; r < REP; r++)
+        for (int c = 0; c < NC; c++) qv[r][c] = load16(q, qo + (long)r * D + c * 16, 1) * scale;
+    for (int j = 0; j < L; j++) {
+        /* the keys a few positions ahead, and these values for the pass below: two streams from memory at once */
+        for (int c = 0; c < NC; c += 2) {
+            __builtin_prefetch((const uint16_t *)k + base + (long)(j + 8) * D + c * 16);
+            __builtin_prefetch((const uint16_t *)v + base + (long)j * D + c * 16);
+        }
+        if (!m[j]) continue;
+        v16 acc[REP];
+        for (int r = 0; r < REP; r++) acc[r] = (v16){0};
+        for (int c = 0; c < NC; c++) {
+            v16 kc = load16(k, base + (long)j * D + c * 16, 1);
+            for (int r = 0; r < REP; r++) acc[r] += qv[r][c] * kc;
+        }
+        for (int r = 0; r < REP; r++) S[(row0 + r) * W + P32 + j] = hsum(acc[r]);
+    }
+    for (int r = 0; r < REP; r++) {
+        float *s = S + (row0 + r) * W;
+        for (int j = 0; j < P32; j += 16) {
+            v16 x;
+            memcpy(&x, s + j, sizeof x);
+            x *= scale;
+            memcpy(s + j, &x, sizeof x);
+        }
+        for (int j = P; j < P32; j++) s[j] = -INFINITY;
+        for (int j = 0; j < L16; j++)
+            if (j >= L || !m[j]) s[P32 + j] = -INFINITY;
+        v16 mx = (v16){0} - INFINITY;
+        for (int j = 0; j < W; j += 16) {
+            v16 x;
+            memcpy(&x, s + j, sizeof x);
+            v16i gt = x > mx;
+            mx = (v16)(((v16i)x & gt) | ((v16i)mx & ~gt));
+        }
+        float M = -INFINITY;
+        for (int i = 0; i < 16; i++) M = mx[i] > M ? mx[i] : M;
+        v16 sum = {0};
+        for (int j = 0; j < W; j += 16) {
+            v16 x;
+            memcpy(&x, s + j, sizeof x);
+            x = vexp(x - M, 1);
+            memcpy(s + j, &x, sizeof x);
+            sum += x;
+            if (j < P32) store16(Pb, (row0 + r) * P32 + j, x, 1);
+        }
+        float tot = hsum(sum);
+        inv[row0 + r] = tot > 0.0f ? 1.0f / tot : 0.0f;
+    }
+    v16 acc[REP][NC];
+    for (int r = 0; r < REP; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = (v16){0};
+    for (int j = 0; j < L; j++) {
+        if (!m[j]) continue;
+        for (int c = 0; c < NC; c++) {
+            v16 vv = load16(v, base + (long)j * D + c * 16, 1);
+            for (int r = 0; r < REP; r++) acc[r][c] += S[(row0 + r) * W + P32 + j] * vv;
+        }
+    }
+    for (int r = 0; r < REP; r++)
+        for (int c = 0; c < NC; c++) memcpy(O + (row0 + r) * D + c * 16, &acc[r][c], sizeof(v16));
+}
+
+/* every tile 16 rows of 64 bytes (bf16 A/B operands of 32 values, fp32 results of 16) */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+    _tile_loadconfig(&cfg);
+}
+#endif
+
+/* keel_decode_attention's inputs and output, in bf16, with the prefix laid out for the tiles:
+ * keys pkv [KV, D/2, P32, 2] and values pvv [KV, P32/2, D, 2] (pairs of consecutive dims, resp.
+ * positions, side by side; zero past P), P ≥ 1; scratch of keel_amx_attention_scratch floats.
+ * Call only where keel_amx() returned 1. */
+void keel_decode_attention_amx(const void *q, long q_row, const uint16_t *pkv, const uint16_t *pvv, int P, const void *k,
+                               const void *v, long kv_row, long kv_head, int L, const int64_t *mask, long mask_row,
+                               void *out, float *scratch, int B, int H, int KV, int D, float scale) {
+#ifdef KEEL_AMX
+    const int rep = H / KV, P32 = (int)round_up(P, 32), L16 = (int)round_up(L, 16), W = P32 + L16;
+    const long M = (long)B * rep, M16 = round_up(M, 16), MT = M16 / 16;
+    float *base = (float *)round_up((long)scratch, 64);
+    float *S = base, *O = S + KV * M16 * W, *inv = O + KV * M16 * D;
+    uint16_t *Pb = (uint16_t *)(inv + round_up(KV * M16, 16)), *Qp = Pb + KV * M16 * P32;
+#pragma omp parallel
+    {
+        amx_configure();
+        /* prefix scores: queries [M16, D] × keys [D, P32] for each kv head, 16 rows × 32 keys a time */
+#pragma omp for schedule(static)
+        for (long it = 0; it < KV * MT; it++) {
+            const int g = (int)(it / MT);
+            const long m0 = (it % MT) * 16;
+            uint16_t *A = Qp + ((long)g * M16 + m0) * D;
+            for (long i = 0; i < 16; i++) {
+                const long mi = m0 + i;
+                if (mi < M)
+                    memcpy(A + i * D, (const uint16_t *)q + (mi / rep) * q_row + (long)(g * rep + mi % rep) * D, D * 2);
+                else
+                    memset(A + i * D, 0, D * 2);
+            }
+            for (int n = 0; n < P32; n += 32) {
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int d = 0; d < D; d += 32) {
+                    const uint16_t *bk = pkv + (((long)g * (D / 2) + d / 2) * P32 + n) * 2;
+                    _tile_loadd(4, A + d, D * 2);
+                    _tile_loadd(6, bk, P32 * 4);
+                    _tile_loadd(7, bk + 32, P32 * 4);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                _tile_stored(0, S + ((long)g * M16 + m0) * W + n, W * 4);
+                _tile_stored(1, S + ((long)g * M16 + m0) * W + n + 16, W * 4);
+            }
+        }
+        /* each (row, kv head): own keys, softmax, own values */
+#pragma omp for schedule(static)
+        for (int item = 0; item < B * KV; item++) {
+            const int g = item / B, b = item % B;
+#define ONE(R, N) \
+    amx_own(R, N, b, g, q, q_row, P, P32, k, v, kv_row, kv_head, L, L16, mask, mask_row, S, Pb, O, inv, M16, W, scale)
+#define BY_D(R)                 \
+    switch (D) {                \
+    case 32: ONE(R, 2); break;  \
+    case 64: ONE(R, 4); break;  \
+    default: ONE(R, 8); break;  \
+    }
+            switch (rep) {
+            case 1: BY_D(1); break;
+            case 2: BY_D(2); break;
+            case 3: BY_D(3); break;
+            case 4: BY_D(4); break;
+            default: BY_D(8); break;
+            }
+#undef BY_D
+#undef ONE
+        }
+        /* prefix values: probabilities [M16, P32] × values [P32, D], 64 dims a time; then the own
+         * part added, normalised and rounded once */
+#pragma omp for schedule(static)
+        for (long it = 0; it < KV * MT; it++) {
+            const int g = (int)(it / MT);
+            const long m0 = (it % MT) * 16;
+            float tmp[16 * 64];
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                const int wide = D - d0 >= 64;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int n = 0; n < P32; n += 32) {
+                    const uint16_t *bv = pvv + (((long)g * (P32 / 2) + n / 2) * D + d0) * 2;
+                    _tile_loadd(4, Pb + ((long)g * M16 + m0) * P32 + n, P32 * 2);
+                    _tile_loadd(5, bv, D * 4);
+                    _tile_loadd(6, bv + 32, D * 4);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(1, 4, 6);
+                    if (wide) {
+                        _tile_loadd(7, bv + 64, D * 4);
+                        _tile_loadd(5, bv + 96, D * 4);
+                        _tile_dpbf16ps(2, 4, 7);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, tmp, 64 * 4);
+                _tile_stored(1, tmp + 16, 64 * 4);
+                _tile_stored(2, tmp + 32, 64 * 4);
+                _tile_stored(3, tmp + 48, 64 * 4);
+                for (long i = 0; i < 16 && m0 + i < M; i++) {
+                    const long mi = m0 + i, row = (long)g * M16 + mi;
+                    const long o = ((mi / rep) * H + (long)g * rep + mi % rep) * D + d0;
+                    for (int c = 0; c < (wide ? 64 : 32); c += 16) {
+                        v16 x, own;
+                        memcpy(&x, tmp + i * 64 + c, sizeof x);
+                        memcpy(&own, O + row * D + d0 + c, sizeof own);
+                        store16(out, o + c, (x + own) * inv[row], 1);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+#endif
 }

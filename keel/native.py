@@ -7,7 +7,9 @@ weight multiply), rotary six, the residual adds and SwiGLU four more; the attent
 shared prefix and the rows' own keys was two flash-attention calls and a dozen ops to merge them;
 sampling six ops over the 49k-token vocabulary. keel/decode_ops.c does each group in one call:
 the element-wise groups with the same roundings as transformers' forward in the same dtype (fp32
-or bf16), the attention and the sampling in fp32 (keel.decode, keel.rollout._choose).
+or bf16), the attention and the sampling in fp32 (keel.decode, keel.rollout._choose); where the
+CPU has AMX (and the compiler targets it), a bf16 attention whose shared-prefix part runs as tile
+matrix products (`amx`).
 
 No maintained library ships these fused CPU ops for this torch (intel-extension-for-pytorch,
 which did, stopped at torch 2.8), so Keel compiles its own with the system's C compiler, once per
@@ -41,12 +43,15 @@ BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fno-math-errno"]
 FLAG_SETS = [["-march=native", "-fopenmp"], ["-march=native"], []]
 
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
-SIGNATURES = {
-    "keel_add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I],
-    "keel_rotary": [_P, _P, _P, _I, _I, _I, _L, _I],
-    "keel_silu_mul": [_P, _P, _I, _I, _I],
-    "keel_sample": [_P, _I, _I, _F, _P, _P, _P],
-    "keel_decode_attention": [_P, _L, _P, _P, _I, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F, _I],
+SIGNATURES = {  # name: (argument types, result type)
+    "keel_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
+    "keel_rotary": ([_P, _P, _P, _I, _I, _I, _L, _I], None),
+    "keel_silu_mul": ([_P, _P, _I, _I, _I], None),
+    "keel_sample": ([_P, _I, _I, _F, _P, _P, _P], None),
+    "keel_decode_attention": ([_P, _L, _P, _P, _I, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F, _I], None),
+    "keel_amx": ([], _I),
+    "keel_amx_attention_scratch": ([_I, _I, _I, _I, _I, _I], _L),
+    "keel_decode_attention_amx": ([_P, _L, _P, _P, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F], None),
 }
 
 
@@ -110,7 +115,15 @@ def ops() -> ctypes.CDLL | None:
         log.warning("keel.native: could not build %s with %s (%s); the decode step runs in torch ops", SOURCE.name, cc,
                     detail[-1] if detail else "no message")
         return None
-    for name, args in SIGNATURES.items():
+    for name, (args, result) in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, result
     return lib
+
+
+def amx(lib: ctypes.CDLL | None) -> bool:
+    """Whether the bf16 decode attention can run its shared-prefix products on AMX tiles
+    (keel_decode_attention_amx) with `lib` (an `ops()` library): it was built for a CPU with AMX
+    and the OS lets this process use them. KEEL_AMX=0 in the environment: no (the kernel that
+    computes the prefix in fp32 FMAs instead)."""
+    return lib is not None and os.environ.get("KEEL_AMX", "1") != "0" and lib.keel_amx() == 1

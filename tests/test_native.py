@@ -67,8 +67,9 @@ def test_swiglu_matches_torch(dtype):
     _within_rounding(got, expect, ulps=2 if dtype == torch.float32 else 1)
 
 
-def _attention_reference(q, pk, pv, keys, values, visible, scale):
-    """float64 attention of q [B, H, D] over [prefix ‖ own keys], own keys masked by visible [B, L]."""
+def _attention_reference(q, pk, pv, keys, values, visible, scale, magnitude: bool = False):
+    """float64 attention of q [B, H, D] over [prefix ‖ own keys], own keys masked by visible [B, L]
+    (`magnitude`: the same weights over |values|, the scale of the sum's rounding errors)."""
     B, H, D = q.shape
     KV = keys.shape[1]
     rep = H // KV
@@ -83,7 +84,7 @@ def _attention_reference(q, pk, pv, keys, values, visible, scale):
                 v_all.insert(0, pv[0, g].double())
             k, v = torch.cat(k_all), torch.cat(v_all)
             w = torch.softmax(k @ q[b, h].double() * scale, dim=0)
-            out[b, h] = w @ v
+            out[b, h] = w @ (v.abs() if magnitude else v)
     return out
 
 
@@ -92,12 +93,19 @@ class _Layer:
         self.prefix = prefix
 
 
+AMX = LIB is not None and native.amx(LIB)
+# (dtype, whether bf16 runs the AMX kernel): the fp32-inside kernel for both dtypes, the AMX one where the CPU has it
+KERNELS = [(torch.float32, False), (torch.bfloat16, False),
+           pytest.param(torch.bfloat16, True, marks=pytest.mark.skipif(not AMX, reason="no AMX on this CPU"))]
+
+
 @needs_lib
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(5, 6, 2, 64, 37, 21), (3, 8, 8, 32, 0, 19), (2, 4, 1, 128, 16, 1)])
-def test_attention_matches_a_float64_reference(dtype, shape):
-    """Grouped heads, a shared prefix that is not a multiple of 16 long (or none), the rows' own keys
-    in a strided growing buffer with holes in their mask."""
+@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
+@pytest.mark.parametrize("shape", [(5, 6, 2, 64, 37, 21), (3, 8, 8, 32, 0, 19), (2, 4, 1, 128, 16, 1), (20, 9, 3, 64, 45, 33)])
+def test_attention_matches_a_float64_reference(dtype, amx, shape):
+    """Grouped heads, a shared prefix that is not a multiple of 16 (or 32) long (or none), the rows'
+    own keys in a strided growing buffer with holes in their mask; the last shape has several
+    16-row tiles of queries for the AMX kernel and own keys that end inside a 16-key block."""
     B, H, KV, D, P, L = shape
     torch.manual_seed(3)
     qkv = torch.randn(B, (H + 2 * KV) * D).to(dtype)
@@ -110,15 +118,22 @@ def test_attention_matches_a_float64_reference(dtype, shape):
     if L > 1:
         attn[-1, P : P + L - 1] = 0  # the last row sees only its newest own key
     scale = D**-0.5
-    ops = decode._NativeOps(LIB, 1e-5, dtype)
-    got = ops.attend(0, q, _Layer(prefix), keys, values, ops.prepare(attn, P, H, KV, dtype), scale).view(B, H, D)
+    ops = decode._NativeOps(LIB, 1e-5, dtype, amx=amx)
+    assert ops.amx == amx
+    got = ops.attend(0, q, _Layer(prefix), keys, values, ops.prepare(attn, P, H, KV, dtype, D), scale).view(B, H, D)
     expect = _attention_reference(q, *(prefix or (None, None)), keys, values, attn[:, P:].bool(), scale)
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), expect, atol=2e-6, rtol=1e-5)
-    else:  # inputs are exact; fp32 inside, one rounding at the end
-        _within_rounding(got, expect.to(dtype), ulps=1)
+    else:
+        # inputs are exact; the output is rounded once to bf16 (unit roundoff 2^-8), the sum of p·v
+        # has fp32 errors (2^-16 of Σ p·|v| bounds them) or, in the AMX kernel, the prefix's
+        # probabilities rounded to bf16 before their product with the values (2^-8 each)
+        size = _attention_reference(q, *(prefix or (None, None)), keys, values, attn[:, P:].bool(), scale, magnitude=True)
+        bound = 2.0**-8 * expect.abs() + (2.0**-8 if amx and P else 2.0**-16) * size
+        err = (got.double() - expect).abs()
+        assert (err <= bound).all(), (err / bound).max()
     torch_ops = decode._TorchOps(1e-5)
-    on_torch = torch_ops.attend(0, q, _Layer(prefix), keys, values, torch_ops.prepare(attn, P, H, KV, dtype), scale).view(B, H, D)
+    on_torch = torch_ops.attend(0, q, _Layer(prefix), keys, values, torch_ops.prepare(attn, P, H, KV, dtype, D), scale).view(B, H, D)
     assert (got.double() - expect).abs().max() <= (on_torch.double() - expect).abs().max() + 1e-6
 
 
@@ -177,7 +192,8 @@ def test_rollouts_on_the_kernels_match_rollouts_on_torch_ops(tiny, monkeypatch):
 def test_decode_steps_on_the_kernels_match_torch_ops(tiny, dtype):
     """Three decode steps from the same prefilled cache (shared prefix, ragged questions), on the
     kernels and on torch ops: logits within 2e-6 (fp32; 3e-7 measured) or 0.03 (bf16: four units
-    in the last place of the logits here, which span about ±1.5; one unit measured)."""
+    in the last place of the logits here, which span about ±1.5; one unit measured, with the AMX
+    attention kernel as without)."""
     model, tok = _gqa_model(dtype), tiny[1]
     prompts = [tok.encode("You can call tools. " * 8 + q, add_special_tokens=False) for q in ("Who?", "Where was it born?", "Why not")]
     logits = {}
@@ -251,7 +267,7 @@ def test_a_compiler_without_openmp_still_builds_the_kernels(tmp_path, monkeypatc
         qkv = torch.randn(2, 8 * 32)
         keys, values = torch.randn(2, 2, 5, 32), torch.randn(2, 2, 5, 32)
         attn = torch.ones(2, 5, dtype=torch.long)
-        got = ops.attend(0, qkv[:, : 4 * 32].view(2, 4, 32), _Layer(None), keys, values, ops.prepare(attn, 0, 4, 2, torch.float32), 0.2)
+        got = ops.attend(0, qkv[:, : 4 * 32].view(2, 4, 32), _Layer(None), keys, values, ops.prepare(attn, 0, 4, 2, torch.float32, 32), 0.2)
         expect = _attention_reference(qkv[:, : 4 * 32].view(2, 4, 32), None, None, keys, values, attn.bool(), 0.2)
         torch.testing.assert_close(got.view(2, 4, 32).double(), expect, atol=2e-6, rtol=1e-5)
     finally:
