@@ -9,7 +9,6 @@ LM head in chunks over those rows only.
 from __future__ import annotations
 
 import weakref
-
 from dataclasses import dataclass, fields
 
 import torch

@@ -272,3 +272,13 @@ def test_a_compiler_without_openmp_still_builds_the_kernels(tmp_path, monkeypatc
         torch.testing.assert_close(got.view(2, 4, 32).double(), expect, atol=2e-6, rtol=1e-5)
     finally:
         native.ops.cache_clear()
+
+
+@needs_lib
+def test_the_amx_kernel_is_used_only_in_bf16_and_can_be_switched_off(monkeypatch):
+    """`native.amx` follows the CPU and the OS (keel_amx) and KEEL_AMX=0; fp32 never uses it."""
+    assert not decode._NativeOps(LIB, 1e-5, torch.float32).amx
+    assert decode._NativeOps(LIB, 1e-5, torch.bfloat16).amx == AMX
+    assert not decode._NativeOps(LIB, 1e-5, torch.bfloat16, amx=False).amx
+    monkeypatch.setenv("KEEL_AMX", "0")
+    assert not native.amx(LIB) and not decode._NativeOps(LIB, 1e-5, torch.bfloat16).amx
