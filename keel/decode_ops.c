@@ -159,8 +159,55 @@ void keel_silu_mul(const void *gu, void *out, int rows, int n, int bf16) {
 
 /* ---- attention of one new token per row over [shared prefix ‖ the row's own keys] ---- */
 
+/* the largest of s[0..W) (W a multiple of 16; -inf where all are) */
+static inline float row_max(const float *s, int W) {
+    v16 mx = (v16){0} - INFINITY;
+    for (int j = 0; j < W; j += 16) {
+        v16 x;
+        memcpy(&x, s + j, sizeof x);
+        v16i gt = x > mx;
+        mx = (v16)(((v16i)x & gt) | ((v16i)mx & ~gt));
+    }
+    float M = -INFINITY;
+    for (int i = 0; i < 16; i++) M = mx[i] > M ? mx[i] : M;
+    return M;
+}
+
+/* s[j] = exp(s[j] - M) in place for j < W (-inf: exactly 0); returns their sum. The first
+ * `n_copy` (a multiple of 16) also go to `copy` rounded to bf16 (NULL: none). */
+static inline float exp_shifted(float *s, int W, float M, uint16_t *copy, int n_copy) {
+    v16 sum = {0};
+    for (int j = 0; j < W; j += 16) {
+        v16 x;
+        memcpy(&x, s + j, sizeof x);
+        x = vexp(x - M, 1);
+        memcpy(s + j, &x, sizeof x);
+        sum += x;
+        if (j < n_copy) store16(copy, j, x, 1);
+    }
+    return hsum(sum);
+}
+
 
 #define MAX_REP 8
+
+/* ONE(REP, NC) (defined at each use) for the shapes keel.decode._NativeOps.serves admits: the
+ * grouped-query ratios of Llama-family checkpoints, rep ∈ {1, 2, 3, 4, 8}, and head dims D ∈ {32,
+ * 64, 128} (NC = D / 16), each a compile-time constant in its instantiation */
+#define BY_D(R, D)              \
+    switch (D) {                \
+    case 32: ONE(R, 2); break;  \
+    case 64: ONE(R, 4); break;  \
+    default: ONE(R, 8); break;  \
+    }
+#define BY_SHAPE(rep, D)           \
+    switch (rep) {                 \
+    case 1: BY_D(1, D); break;     \
+    case 2: BY_D(2, D); break;     \
+    case 3: BY_D(3, D); break;     \
+    case 4: BY_D(4, D); break;     \
+    default: BY_D(8, D); break;    \
+    }
 
 /* One (row b, kv head g) pair: its `rep` query heads over the prefix and the row's own keys.
  * REP and NC (= D/16) are compile-time constants in every instantiation below, so the
@@ -225,25 +272,7 @@ static inline __attribute__((always_inline)) void attend_one(
     float inv[REP];
     for (int r = 0; r < REP; r++) {
         float *s = S + (long)r * W;
-        v16 mx = {0};
-        mx -= INFINITY;
-        for (int j = 0; j < W; j += 16) {
-            v16 x;
-            memcpy(&x, s + j, sizeof x);
-            v16i gt = x > mx;
-            mx = (v16)(((v16i)x & gt) | ((v16i)mx & ~gt));
-        }
-        float M = -INFINITY;
-        for (int i = 0; i < 16; i++) M = mx[i] > M ? mx[i] : M;
-        v16 sum = {0};
-        for (int j = 0; j < W; j += 16) {
-            v16 x;
-            memcpy(&x, s + j, sizeof x);
-            x = vexp(x - M, 1);
-            memcpy(s + j, &x, sizeof x);
-            sum += x;
-        }
-        float tot = hsum(sum);
+        float tot = exp_shifted(s, W, row_max(s, W), NULL, 0);
         inv[r] = tot > 0.0f ? 1.0f / tot : 0.0f;
     }
     /* weighted sum of values, each value row read once for all query heads */
@@ -288,20 +317,7 @@ void keel_decode_attention(const void *q, long q_row, const float *pkt, const fl
         const int g = item / B, b = item % B; /* kv head outer: one prefix head stays in cache */
         float *S = scratch + (long)item * rep * W;
 #define ONE(R, N) attend_one(R, N, b, g, q, q_row, pkt, pv, P, P16, k, v, kv_row, kv_head, L, L16, mask, mask_row, out, S, H, scale, bf16)
-#define BY_D(R)                 \
-    switch (D) {                \
-    case 32: ONE(R, 2); break;  \
-    case 64: ONE(R, 4); break;  \
-    default: ONE(R, 8); break;  \
-    }
-        switch (rep) { /* the grouped-query ratios of Llama-family checkpoints (keel.decode._NativeOps.serves) */
-        case 1: BY_D(1); break;
-        case 2: BY_D(2); break;
-        case 3: BY_D(3); break;
-        case 4: BY_D(4); break;
-        default: BY_D(8); break;
-        }
-#undef BY_D
+        BY_SHAPE(rep, D);
 #undef ONE
     }
 }
@@ -443,25 +459,7 @@ static inline __attribute__((always_inline)) void amx_own(
         for (int j = P; j < P32; j++) s[j] = -INFINITY;
         for (int j = 0; j < L16; j++)
             if (j >= L || !m[j]) s[P32 + j] = -INFINITY;
-        v16 mx = (v16){0} - INFINITY;
-        for (int j = 0; j < W; j += 16) {
-            v16 x;
-            memcpy(&x, s + j, sizeof x);
-            v16i gt = x > mx;
-            mx = (v16)(((v16i)x & gt) | ((v16i)mx & ~gt));
-        }
-        float M = -INFINITY;
-        for (int i = 0; i < 16; i++) M = mx[i] > M ? mx[i] : M;
-        v16 sum = {0};
-        for (int j = 0; j < W; j += 16) {
-            v16 x;
-            memcpy(&x, s + j, sizeof x);
-            x = vexp(x - M, 1);
-            memcpy(s + j, &x, sizeof x);
-            sum += x;
-            if (j < P32) store16(Pb, (row0 + r) * P32 + j, x, 1);
-        }
-        float tot = hsum(sum);
+        float tot = exp_shifted(s, W, row_max(s, W), Pb + (row0 + r) * P32, P32);
         inv[row0 + r] = tot > 0.0f ? 1.0f / tot : 0.0f;
     }
     v16 acc[REP][NC];
@@ -542,20 +540,7 @@ void keel_decode_attention_amx(const void *q, long q_row, const uint16_t *pkv, c
             const int g = item / B, b = item % B;
 #define ONE(R, N) \
     amx_own(R, N, b, g, q, q_row, P, P32, k, v, kv_row, kv_head, L, L16, mask, mask_row, S, Pb, O, inv, M16, W, scale)
-#define BY_D(R)                 \
-    switch (D) {                \
-    case 32: ONE(R, 2); break;  \
-    case 64: ONE(R, 4); break;  \
-    default: ONE(R, 8); break;  \
-    }
-            switch (rep) {
-            case 1: BY_D(1); break;
-            case 2: BY_D(2); break;
-            case 3: BY_D(3); break;
-            case 4: BY_D(4); break;
-            default: BY_D(8); break;
-            }
-#undef BY_D
+            BY_SHAPE(rep, D);
 #undef ONE
         }
         /* prefix values: probabilities [M16, P32] × values [P32, D], 64 dims a time; then the own
