@@ -15,8 +15,9 @@ where four do the same work. `LeanDecoder.step` computes the same function with
   attention over [shared prefix ‖ the row's own keys] (scores, masked softmax, weighted sum in
   fp32) as one call each — in bf16 on a CPU with AMX (`native.amx`), the shared prefix's part of
   the attention as two tile matrix products over all rows at once; else `_TorchOps`: RMSNorm as
-  transformers computes it, rotary on q and k in one set of element-wise ops, SwiGLU, and keel.cascade's split attention (or one SDPA call
-  without a shared prefix), masks prepared once per step for all layers.
+  transformers computes it, rotary on q and k in one set of element-wise ops, SwiGLU, and
+  keel.cascade's split attention (or one SDPA call without a shared prefix), masks prepared once
+  per step for all layers.
   On an AMX Xeon (LOG.md, twenty-sixth session) the kernels took bench/sampler_vs_generate.py's
   decode step (batch 16, sampling included) from 42.4 to 33.4 ms in bf16 and from 79.1 to 69.9
   ms in fp32; the AMX attention, prefetching and threaded element-wise kernels (twenty-seventh
@@ -130,9 +131,9 @@ class _TorchOps:
         return out.reshape(B, -1)
 
 
-def _up16(n: int) -> int:
-    """n rounded up to a multiple of 16 (the kernels' vector width)."""
-    return -(-n // 16) * 16
+def _round_up(n: int, m: int) -> int:
+    """n rounded up to a multiple of m (the kernels' vector width 16, the tiles' pairs of 16: 32)."""
+    return -(-n // m) * m
 
 
 class _NativeOps:
@@ -144,7 +145,7 @@ class _NativeOps:
         self.lib, self.eps, self.bf16 = lib, eps, int(dtype == torch.bfloat16)
         # bf16 where native.amx says the tiles can be used (and `amx` allows): the attention's AMX kernel
         self.amx = bool(self.bf16) and amx and native.amx(lib)
-        self._prefixes: dict[int, tuple] = {}  # layer → (prefix keys it was made from, its layout for the kernel...)
+        self._prefixes: dict[int, tuple] = {}  # layer → (prefix keys it was made from, keys and values as the kernel reads them)
 
     @staticmethod
     def serves(d: "LeanDecoder") -> bool:
@@ -177,11 +178,7 @@ class _NativeOps:
         """(the mask as int64 rows, the attention's fp32 scratch): one allocation a step, shared by
         every layer."""
         mask = attn if attn.dtype == torch.int64 and attn.is_contiguous() else attn.to(torch.int64).contiguous()
-        B, L = attn.shape[0], attn.shape[1] - P
-        if self.amx and P:
-            floats = self.lib.keel_amx_attention_scratch(B, heads, kv_heads, head_dim, P, L)
-        else:
-            floats = B * heads * (_up16(P) + _up16(L))
+        floats = self.lib.keel_attention_scratch(attn.shape[0], heads, kv_heads, head_dim, P, attn.shape[1] - P, int(self.amx and P > 0))
         return mask, torch.empty(floats, dtype=torch.float32)
 
     def _prefix(self, i: int, layer):
@@ -194,28 +191,28 @@ class _NativeOps:
         if got is None or got[0] is not pk:
             KV, P, D = pk.shape[1:]
             if self.amx:
-                P32 = -(-P // 32) * 32
+                P32 = _round_up(P, 32)
                 keys = pk.new_zeros(KV, P32, D)
                 keys[:, :P] = pk[0]
                 values = pv.new_zeros(KV, P32, D)
                 values[:, :P] = pv[0]
-                pkv = keys.view(KV, P32, D // 2, 2).permute(0, 2, 1, 3).contiguous()
-                pvv = values.view(KV, P32 // 2, 2, D).permute(0, 1, 3, 2).contiguous()
-                got = self._prefixes[i] = (pk, pkv, pvv, P)
+                got = (pk, keys.view(KV, P32, D // 2, 2).permute(0, 2, 1, 3).contiguous(),
+                       values.view(KV, P32 // 2, 2, D).permute(0, 1, 3, 2).contiguous())
             else:
-                P16 = _up16(P)
+                P16 = _round_up(P, 16)
                 kt = pk.new_zeros(KV, D, P16, dtype=torch.float32)
                 kt[:, :, :P] = pk[0].transpose(1, 2)
                 vp = pk.new_zeros(KV, P16, D, dtype=torch.float32)
                 vp[:, :P] = pv[0]
-                got = self._prefixes[i] = (pk, kt, vp, P, P16)
+                got = (pk, kt, vp)
+            self._prefixes[i] = got
         return got[1:]
 
     def attend(self, i: int, q, layer, keys, values, prepared, scale: float):
         mask, scratch = prepared
         B, H, D = q.shape
         KV, L = keys.shape[1], keys.shape[2]
-        prefix = self._prefix(i, layer) if layer.prefix is not None else None
+        prefix = self._prefix(i, layer) if layer.prefix is not None else None  # (keys, values) as the kernel reads them
         P = layer.prefix[0].shape[-2] if prefix is not None else 0
         if mask.shape[1] != P + L:
             raise RuntimeError(f"keel.decode: the mask covers {mask.shape[1]} keys, the layer has {P} shared + {L} own")
@@ -226,12 +223,10 @@ class _NativeOps:
         own = (keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), L, mask.data_ptr() + P * mask.element_size(),
                mask.stride(0), out.data_ptr(), scratch.data_ptr(), B, H, KV, D, scale)
         if self.amx and prefix is not None:
-            pkv, pvv, _ = prefix
-            self.lib.keel_decode_attention_amx(q.data_ptr(), q.stride(0), pkv.data_ptr(), pvv.data_ptr(), P, *own)
+            self.lib.keel_decode_attention_amx(q.data_ptr(), q.stride(0), prefix[0].data_ptr(), prefix[1].data_ptr(), P, *own)
         else:
-            kt, vp, _, P16 = prefix if prefix is not None else (None, None, 0, 0)
-            self.lib.keel_decode_attention(q.data_ptr(), q.stride(0), None if kt is None else kt.data_ptr(),
-                                           None if vp is None else vp.data_ptr(), P, P16, *own, self.bf16)
+            kt, vp = (t.data_ptr() for t in prefix) if prefix is not None else (None, None)
+            self.lib.keel_decode_attention(q.data_ptr(), q.stride(0), kt, vp, P, _round_up(P, 16), *own, self.bf16)
         return out
 
 

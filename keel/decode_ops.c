@@ -98,9 +98,7 @@ static inline v16 vexp(v16 x, int zero_below) {
 
 /* ---- the element-wise groups (row widths are multiples of 16: keel/native.py checks) ---- */
 
-#ifndef PARALLEL_ROWS
-#define PARALLEL_ROWS 8
-#endif
+#define PARALLEL_ROWS 8 /* rows from which the element-wise kernels split over threads */
 
 /* transformers' LlamaRMSNorm: y = weight * dtype(x / sqrt(mean(x^2) + eps)), normalised in fp32.
  * With `delta` (not NULL), first h += delta in place (the residual add, rounded to the dtype). */
@@ -159,6 +157,17 @@ void keel_silu_mul(const void *gu, void *out, int rows, int n, int bf16) {
 
 /* ---- attention of one new token per row over [shared prefix ‖ the row's own keys] ---- */
 
+static inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
+
+/* the keys `ahead` positions past own position j and the values at j (read in the second pass),
+ * rows of D values of `es` bytes at base: two streams from memory at once */
+static inline __attribute__((always_inline)) void prefetch_own(const void *k, const void *v, long base, int j, int D, int es) {
+    for (int c = 0; c < D * es; c += 64) {
+        __builtin_prefetch((const char *)k + (base + (long)(j + 8) * D) * es + c);
+        __builtin_prefetch((const char *)v + (base + (long)j * D) * es + c);
+    }
+}
+
 /* the largest of s[0..W) (W a multiple of 16; -inf where all are) */
 static inline float row_max(const float *s, int W) {
     v16 mx = (v16){0} - INFINITY;
@@ -189,7 +198,6 @@ static inline float exp_shifted(float *s, int W, float M, uint16_t *copy, int n_
 }
 
 
-#define MAX_REP 8
 
 /* ONE(REP, NC) (defined at each use) for the shapes keel.decode._NativeOps.serves admits: the
  * grouped-query ratios of Llama-family checkpoints, rep ∈ {1, 2, 3, 4, 8}, and head dims D ∈ {32,
@@ -246,13 +254,8 @@ static inline __attribute__((always_inline)) void attend_one(
             }
             for (int r = 0; r < REP; r++) memcpy(S + (long)r * W + j0, acc[r], (two ? 2 : 1) * sizeof(v16));
         }
-        const int es = bf16 ? 2 : 4; /* bytes a value */
         for (int j = 0; j < L; j++) {
-            /* the keys a few positions ahead, and these values for the pass below: two streams from memory at once */
-            for (int c = 0; c < D * es; c += 64) {
-                __builtin_prefetch((const char *)k + (base + (long)(j + 8) * D) * es + c);
-                __builtin_prefetch((const char *)v + (base + (long)j * D) * es + c);
-            }
+            prefetch_own(k, v, base, j, D, bf16 ? 2 : 4);
             if (!m[j]) continue;
             v16 acc[REP];
             for (int r = 0; r < REP; r++) acc[r] = (v16){0};
@@ -394,8 +397,6 @@ void keel_sample(const float *logits, int rows, int V, float temperature, const 
 #define KEEL_AMX 1
 #endif
 
-static inline long round_up(long n, long m) { return (n + m - 1) / m * m; }
-
 /* 1 where keel_decode_attention_amx runs: built with AMX, and the kernel grants this process the
  * tile data state (Linux's ARCH_REQ_XCOMP_PERM; oneDNN asks for it too, asking again is harmless). */
 int keel_amx(void) {
@@ -406,12 +407,15 @@ int keel_amx(void) {
 #endif
 }
 
-/* floats of scratch keel_decode_attention_amx needs: scores [KV, M16, P32 + L16], own-value sums
- * [KV, M16, D], 1/softmax totals [KV, M16], bf16 probabilities [KV, M16, P32] and packed queries
- * [KV, M16, D] (M16: B·H/KV rounded up to 16 rows, P32: P up to 32, L16: L up to 16), each
- * region 64-byte aligned within it */
-long keel_amx_attention_scratch(int B, int H, int KV, int D, int P, int L) {
-    const long M16 = round_up((long)B * (H / KV), 16), P32 = round_up(P, 32), L16 = round_up(L, 16);
+/* floats of scratch the attention needs. keel_decode_attention (amx 0): scores [B·KV, H/KV, P16 +
+ * L16]. keel_decode_attention_amx (amx 1): scores [KV, M16, P32 + L16], own-value sums [KV, M16, D],
+ * 1/softmax totals [KV, M16], bf16 probabilities [KV, M16, P32] and packed queries [KV, M16, D]
+ * (M16: B·H/KV rounded up to 16 rows; P16, P32, L16: P, L rounded up to 16, 32, 16), 64-byte
+ * aligned within it. */
+long keel_attention_scratch(int B, int H, int KV, int D, int P, int L, int amx) {
+    const long L16 = round_up(L, 16);
+    if (!amx) return (long)B * H * (round_up(P, 16) + L16);
+    const long M16 = round_up((long)B * (H / KV), 16), P32 = round_up(P, 32);
     return 16 + KV * M16 * (P32 + L16) + KV * M16 * D + round_up(KV * M16, 16) + KV * M16 * P32 / 2 + KV * M16 * D / 2;
 }
 
@@ -434,11 +438,7 @@ static inline __attribute__((always_inline)) void amx_own(
     for (int r = 0; r < REP; r++)
         for (int c = 0; c < NC; c++) qv[r][c] = load16(q, qo + (long)r * D + c * 16, 1) * scale;
     for (int j = 0; j < L; j++) {
-        /* the keys a few positions ahead, and these values for the pass below: two streams from memory at once */
-        for (int c = 0; c < NC; c += 2) {
-            __builtin_prefetch((const uint16_t *)k + base + (long)(j + 8) * D + c * 16);
-            __builtin_prefetch((const uint16_t *)v + base + (long)j * D + c * 16);
-        }
+        prefetch_own(k, v, base, j, D, 2);
         if (!m[j]) continue;
         v16 acc[REP];
         for (int r = 0; r < REP; r++) acc[r] = (v16){0};
@@ -492,7 +492,7 @@ static void amx_configure(void) {
 
 /* keel_decode_attention's inputs and output, in bf16, with the prefix laid out for the tiles:
  * keys pkv [KV, D/2, P32, 2] and values pvv [KV, P32/2, D, 2] (pairs of consecutive dims, resp.
- * positions, side by side; zero past P), P ≥ 1; scratch of keel_amx_attention_scratch floats.
+ * positions, side by side; zero past P), P ≥ 1; scratch of keel_attention_scratch(..., 1) floats.
  * Call only where keel_amx() returned 1. */
 void keel_decode_attention_amx(const void *q, long q_row, const uint16_t *pkv, const uint16_t *pvv, int P, const void *k,
                                const void *v, long kv_row, long kv_head, int L, const int64_t *mask, long mask_row,

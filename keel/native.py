@@ -50,7 +50,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "keel_sample": ([_P, _I, _I, _F, _P, _P, _P], None),
     "keel_decode_attention": ([_P, _L, _P, _P, _I, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F, _I], None),
     "keel_amx": ([], _I),
-    "keel_amx_attention_scratch": ([_I, _I, _I, _I, _I, _I], _L),
+    "keel_attention_scratch": ([_I, _I, _I, _I, _I, _I, _I], _L),
     "keel_decode_attention_amx": ([_P, _L, _P, _P, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F], None),
 }
 

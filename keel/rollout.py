@@ -208,8 +208,9 @@ def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, obj
     session), and their keys and values are repeated to the rows that ask it. Without a shared
     prefix, or when the remainders are longer than it and the distinct prompts hold no more
     tokens than the padded block (long prompts sharing little: BFCL tasks of different API
-    classes share a ~200-token start), each distinct prompt is encoded alone: the block's padding mask rules out the causal attention kernel, and its
-    attention over thousands of columns is then materialised (5 BFCL prompts of 3–4.7k tokens:
+    classes share a ~200-token start), each distinct prompt is encoded alone: the block's padding
+    mask rules out the causal attention kernel, and its attention over thousands of columns is
+    then materialised (5 BFCL prompts of 3–4.7k tokens:
     83 s as one block, 33 s one by one, fp32; LOG.md, twenty-fourth session).
     """
     B = len(prompts)
@@ -245,8 +246,7 @@ def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, obj
     if D < B:
         index = torch.tensor(rows, device=device)
         for layer in cache.layers:
-            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
-            layer._kbuf = layer._vbuf = None  # the next update adopts the repeated rows into fresh buffers
+            _replace_kv(layer, layer.keys.index_select(0, index), layer.values.index_select(0, index))
         logits, attn = logits.index_select(0, index), attn.index_select(0, index)
     return logits, cache, attn
 
@@ -284,6 +284,14 @@ def _prefill_each(model, prompts: list[list[int]], device) -> tuple[torch.Tensor
     return logits, cache, attn
 
 
+def _replace_kv(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """A growing cache layer's keys and values replaced by new tensors (rows kept, repeated or
+    compacted). Its old buffers (spare capacity included) are let go now: they would otherwise stay
+    alive beside the new tensors until the layer's next update adopts those into fresh buffers."""
+    layer.keys, layer.values = keys, values
+    layer._kbuf = layer._vbuf = None
+
+
 def _compact(cache, attn: torch.Tensor, keep: list[int], prefix_cols: int) -> tuple[object, torch.Tensor]:
     """Keep only the batch rows `keep` and drop the cache columns no kept row attends to.
 
@@ -312,11 +320,8 @@ def _compact(cache, attn: torch.Tensor, keep: list[int], prefix_cols: int) -> tu
     rows = torch.tensor(keep, device=device)
     for layer in cache.layers:
         k, v = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
-        layer.keys = k.gather(2, index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3]))
-        layer.values = v.gather(2, index[:, None, :, None].expand(-1, v.shape[1], -1, v.shape[3]))
-        # the old buffers (all rows, spare capacity) would otherwise stay alive beside the
-        # compacted copy until this layer's next update adopts it into a fresh buffer
-        layer._kbuf = layer._vbuf = None
+        _replace_kv(layer, k.gather(2, index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])),
+                    v.gather(2, index[:, None, :, None].expand(-1, v.shape[1], -1, v.shape[3])))
         del k, v
     prefix = attn[keep, :prefix_cols]
     return cache, torch.cat([prefix, new_mask], dim=1)
