@@ -16,6 +16,7 @@ model keeps its own template (`own_template`), which then renders the episodes (
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import platform
@@ -405,6 +406,33 @@ def no_autocast(model):
     """Autocast switched off inside an open `autocast_context` (for backward passes), its weight
     casts kept."""
     return torch.autocast(next(model.parameters()).device.type, enabled=False)
+
+
+@contextlib.contextmanager
+def sparse_embedding_grads(model):
+    """Inside: the input embedding's backward gives a sparse gradient (the rows of the tokens seen)
+    instead of a dense one; on exit the weight's accumulated gradient is dense again.
+
+    A dense embedding gradient is a zero-filled [vocab, hidden] tensor per backward pass (113 MB
+    for SmolLM2 in fp32, one per micro-batch and per segment of a shared prefix's backward) of
+    which a few hundred rows are not zero; on CPU each is fresh memory, page-faulted in before it
+    is written. The sparse one is added into the dense `.grad` where there is one (autograd
+    adds in place), and the gradient the optimizer and clipping see is the same sum (up to the
+    order of the additions: tests/test_logprobs.py). Only a plain trainable `nn.Embedding` is
+    switched; others (frozen under LoRA, wrapped, already sparse) are left as they are."""
+    emb = model.get_input_embeddings()
+    switch = type(emb) is torch.nn.Embedding and emb.weight.requires_grad and not emb.sparse
+    if not switch:
+        yield
+        return
+    emb.sparse = True
+    try:
+        yield
+    finally:
+        emb.sparse = False
+        grad = emb.weight.grad
+        if grad is not None and grad.is_sparse:  # only the embedding's gradients arrived (an untied weight)
+            emb.weight.grad = grad.to_dense()
 
 
 def reference_network(ref_model, model):

@@ -1,5 +1,6 @@
 """The shared-prefix forward used in training equals one plain forward: values and gradients."""
 
+import contextlib
 import copy
 
 import torch
@@ -363,3 +364,41 @@ def test_batch_to_moves_every_field():
     for f in fields(Batch):
         assert torch.equal(getattr(moved, f.name), getattr(batch, f.name)), f.name
     assert moved.old_logprobs.tolist() == [[0.0, -0.5, 0.0, -1.5]] and moved.target_mask.tolist() == [[False, True, False, True]]
+
+
+def test_sparse_embedding_grads_give_the_dense_gradient(tiny):
+    """Under `sparse_embedding_grads` the embedding's backward is sparse; the gradients after the
+    block equal the dense ones (tied head: the head's dense gradient and the embedding's rows
+    summed; body only: the sparse rows alone, made dense on exit), and the switch is undone."""
+    from keel.models import sparse_embedding_grads
+
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    emb = model.get_input_embeddings()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(5, 1000, (2, 24), generator=g)
+    ids[1, 3] = ids[0, 7] = ids[0, 2]  # a token seen three times: its row sums three gradients
+    attn = torch.ones_like(ids)
+    tmask = torch.zeros_like(ids, dtype=torch.bool)
+    tmask[:, 12:] = True
+    body = getattr(model, model.base_model_prefix)
+
+    def grads(sparse: bool, head: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with sparse_embedding_grads(model) if sparse else contextlib.nullcontext():
+            assert emb.sparse == sparse
+            for rows in ([0], [1]):  # two backward passes accumulate, as micro-batches do
+                if head:
+                    logp, _ = token_logprobs(model, ids[rows], attn[rows], tmask[rows], temperature=0.7)
+                    (logp * torch.linspace(-1.0, 1.0, logp.numel())).sum().backward()
+                else:
+                    body(input_ids=ids[rows]).last_hidden_state.pow(2).mean().backward()
+        assert not emb.sparse
+        return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+    for head in (True, False):
+        dense, sparse = grads(False, head), grads(True, head)
+        assert dense.keys() == sparse.keys()
+        for k in dense:
+            assert not sparse[k].is_sparse, k
+            assert torch.allclose(dense[k], sparse[k], atol=1e-7, rtol=1e-5), (head, k)
