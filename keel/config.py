@@ -180,7 +180,7 @@ class EvalConfig:
 class RunConfig:
     seed: int = doc(0, "seed of model init (tiny), data order and sampling")
     out: str = doc("runs", "parent directory of run directories (used when --out is not given)")
-    malloc_mmap_threshold_mb: float = doc(0.0, "0: glibc's default; N > 0: in training (SFT, GRPO updates, supervision phases) allocations of N MB and more are mmapped and returned to the OS when freed, while rollouts and evaluations keep glibc's heap (keel/memory.py; the main job at 1: peak RSS 5,129 → 4,866 MiB on seed 0, wall +4%, results identical)")
+    malloc_mmap_threshold_mb: float = doc(0.0, "0: glibc's default; N > 0: in training (SFT, GRPO updates, supervision phases) allocations of N MB and more are mmapped and returned to the OS when freed, while rollouts and evaluations keep glibc's heap (keel/memory.py; the main job at 1: peak RSS 5,129 → 4,866 MiB on seed 0, wall +4%, results identical; on an AMX Xeon 4,809 → 4,303 MiB, wall 5:32 → 5:37)")
     checkpoint_every: int = doc(0, "save `latest` every N GRPO steps (0: only at evaluations and the end)")
     save_checkpoints: bool = doc(True, "write checkpoints/latest and checkpoints/peak")
     threads: int = doc(0, "torch CPU threads (0: torch's default)")
