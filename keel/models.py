@@ -416,10 +416,13 @@ def sparse_embedding_grads(model):
     A dense embedding gradient is a zero-filled [vocab, hidden] tensor per backward pass (113 MB
     for SmolLM2 in fp32, one per micro-batch and per segment of a shared prefix's backward) of
     which a few hundred rows are not zero; on CPU each is fresh memory, page-faulted in before it
-    is written. The sparse one is added into the dense `.grad` where there is one (autograd
-    adds in place), and the gradient the optimizer and clipping see is the same sum (up to the
-    order of the additions: tests/test_logprobs.py). Only a plain trainable `nn.Embedding` is
-    switched; others (frozen under LoRA, wrapped, already sparse) are left as they are."""
+    is written. Autograd adds the sparse one to the tied LM head's dense gradient of the same
+    pass, or into the dense `.grad` in place (the shared prefix's backward, later micro-batches),
+    and the gradient the optimizer and clipping see is the same sum up to the order of the
+    additions (tests/test_logprobs.py). A replay of one update's fixed trajectories (SmolLM2, 4
+    members): −7%; in the main job within the run-to-run spread (LOG.md, twenty-eighth session).
+    Only a plain trainable `nn.Embedding` is switched; others (frozen under LoRA, wrapped,
+    already sparse) are left as they are."""
     emb = model.get_input_embeddings()
     switch = type(emb) is torch.nn.Embedding and emb.weight.requires_grad and not emb.sparse
     if not switch:
