@@ -197,8 +197,6 @@ static inline float exp_shifted(float *s, int W, float M, uint16_t *copy, int n_
     return hsum(sum);
 }
 
-
-
 /* ONE(REP, NC) (defined at each use) for the shapes keel.decode._NativeOps.serves admits: the
  * grouped-query ratios of Llama-family checkpoints, rep ∈ {1, 2, 3, 4, 8}, and head dims D ∈ {32,
  * 64, 128} (NC = D / 16), each a compile-time constant in its instantiation */

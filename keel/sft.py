@@ -28,7 +28,7 @@ from keel.chat import IM_END, render_assistant_calls, render_tool_responses, ren
 from keel.episode import process_turn
 from keel.logprobs import collate, micro_batches, token_logprobs, update_prefix
 from keel.losses import sft_loss
-from keel.models import autocast_context, no_autocast, sparse_embedding_grads
+from keel.models import no_autocast, training_passes
 from keel.rollout import encode_prompt
 from keel.templates import ChatTemplate
 from keel.types import Env, Source, Task, Trajectory, env_call_format, episode_info, is_function_calling
@@ -228,7 +228,7 @@ def supervision_backward(model, examples: Sequence, pad_id: int, weight: float =
     device = next(model.parameters()).device
     sequences = [e.token_ids for e in examples]
     parts = micro_batches(sequences, micro, max_tokens)
-    with autocast_context(model, autocast), sparse_embedding_grads(model):  # the weights are cast once (models.autocast_context)
+    with training_passes(model, autocast):
         prefix = update_prefix(model, sequences, parts)
         for idx in parts:
             ids, attn, tmask = collate_sft([examples[i] for i in idx], pad_id)

@@ -37,7 +37,7 @@ from keel.distributed import (DistContext, ShardedUpdate, gather_objects, gather
 from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
 from keel.losses import aggregate, clipped_surrogate, kl_estimate
 from keel.memory import release_free_memory
-from keel.models import adamw, autocast_context, copy_weights, make_optimizer, no_autocast, reference_network, release_weights, sparse_embedding_grads
+from keel.models import adamw, copy_weights, make_optimizer, no_autocast, reference_network, release_weights, training_passes
 from keel.rewards import resolve_reward, score
 from keel.rollout import SamplingParams, rollout
 from keel.run import (Run, check_distributed_config, evaluate, evaluate_rl, finish, handle_alerts, interrupted_anywhere, log, make_reference,
@@ -108,7 +108,7 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
     parts = micro_batches(kept, g.micro_batch_size, max_tokens)
     ref_net, ref_mode = reference_network(ref_model, model)
     ref_prefix = None
-    with autocast_context(model, autocast), sparse_embedding_grads(model):  # the weights are cast once (models.autocast_context)
+    with training_passes(model, autocast):
         prefix = update_prefix(model, kept, parts)
         if ref_net is not None:  # the reference's own encoding of the same prefix: once per update, kept while its weights are the same
             with torch.no_grad(), ref_mode():
