@@ -23,8 +23,12 @@ where four do the same work. `LeanDecoder.step` computes the same function with
   ms in fp32; the AMX attention, prefetching and threaded element-wise kernels (twenty-seventh
   session) to 25.8–29.0 and 63.2–66.0 ms.
 
-It is used only for width-1 decode steps of `keel.rollout`; prefill and the tool-response blocks
-still run transformers' forward into the same cache. `tests/test_decode.py` checks the torch
+`LeanDecoder.block` runs the same layer loop over W new tokens per row (keel.rollout's
+tool-response blocks and the prompts' remainders after the shared prefix): the element-wise
+kernels over all B·W rows, keel.cascade's split attention with the block's causal mask. On a
+main-job-shaped rollout (32 rows, blocks of ~39 tokens, bf16) a block took 0.60–0.69 s against
+0.64–1.00 s through transformers' forward (LOG.md, twenty-ninth session). Only the shared
+prefix's encoding (one row) still runs transformers' forward. `tests/test_decode.py` checks the torch
 ops' logits against transformers' forward on the same cache (fp32, with and without a shared
 prefix: the same episodes token for token); `tests/test_native.py` checks each kernel against the
 torch ops (bit-exact where the roundings are the same, within one rounding of the dtype where
@@ -281,6 +285,52 @@ class LeanDecoder:
             return None
         return LeanDecoder(model)
 
+    def _rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, D] in `dtype` for positions [N], as transformers' rotary embedding computes them."""
+        freqs = positions.float()[:, None] * self.inv_freq  # [N, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.rope_scaling).to(dtype), (emb.sin() * self.rope_scaling).to(dtype)
+
+    @torch.no_grad()
+    def block(self, tokens: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """W new tokens per row at once (a rollout's tool-response blocks): tokens, positions
+        [B, W]; attn [B, P + L + W] over [shared prefix ‖ own cached keys ‖ the block] (1 =
+        visible); each block token also sees the block's earlier columns, not its later ones
+        (transformers' causal mask over cache columns). Appends the block's keys and values to
+        the cache in place and returns the last column's next-token logits [B, V] in fp32.
+
+        The same function as transformers' forward on that cache, with the decode step's layer
+        loop: concatenated laid-out weights, the element-wise groups as one kernel call each over
+        all B·W rows (or the torch ops), and the attention as keel.cascade's split attention over
+        the shared prefix and the rows' own keys (one SDPA call without a prefix)."""
+        B, W = tokens.shape
+        H, KV, D = self.heads, self.kv_heads, self.head_dim
+        h = F.embedding(tokens.reshape(-1), self.embed)  # [B·W, hidden]
+        dtype = h.dtype
+        cos, sin = self._rotary_tables(positions.reshape(-1), dtype)
+        prefix = getattr(cache.layers[0], "prefix", None)
+        P = prefix[0].shape[-2] if prefix is not None else 0
+        own = attn[:, P:].bool()  # [B, L + W]
+        L = own.shape[1]
+        causal = torch.arange(L, device=attn.device)[None, :] <= torch.arange(L - W, L, device=attn.device)[:, None]  # [W, L + W]
+        mask = own[:, None, None, :] & causal[None, None]  # [B, 1, W, L + W]
+        prepared = cascade._rows_mask(mask, H // KV, dtype) if prefix is not None else mask
+        ops = self.ops
+        h, x = ops.norm(h, None, self.layers[0].ln1)
+        for i, w in enumerate(self.layers):
+            q, k, v = ops.rotary(w.wqkv(x), cos, sin, H, KV, D)  # [B·W, heads, D] views
+            layer = cache.layers[i]
+            keys, values = layer.update(k.view(B, W, KV, D).transpose(1, 2), v.view(B, W, KV, D).transpose(1, 2))
+            q = q.view(B, W, H, D).transpose(1, 2)  # [B, H, W, D]
+            if layer.prefix is not None:
+                out = cascade.split_attention(q, layer.prefix[0], layer.prefix[1], keys, values, None, self.scale, prepared)
+            else:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=prepared, scale=self.scale, enable_gqa=True)
+            h, x = ops.norm(h, w.wo(out.transpose(1, 2).reshape(B * W, H * D)), w.ln2)
+            delta = w.wdown(ops.swiglu(w.wgu(x), self.intermediate))
+            h, x = ops.norm(h, delta, self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm)
+        return self.lm_head(x.view(B, W, -1)[:, -1].contiguous()).float()
+
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
         """tokens, positions [B, 1]; attn [B, P + L + 1] over [shared prefix ‖ own cached keys ‖
@@ -290,10 +340,7 @@ class LeanDecoder:
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         h = F.embedding(tokens[:, 0], self.embed)  # [B, hidden]
         dtype = h.dtype
-        freqs = positions[:, 0, None].float() * self.inv_freq  # [B, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(dtype)  # [B, D]
-        sin = (emb.sin() * self.rope_scaling).to(dtype)
+        cos, sin = self._rotary_tables(positions[:, 0], dtype)  # [B, D]
         prefix = getattr(cache.layers[0], "prefix", None)
         ops = self.ops
         mask = ops.prepare(attn, prefix[0].shape[-2] if prefix is not None else 0, H, KV, dtype, D)

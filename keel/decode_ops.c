@@ -226,6 +226,7 @@ static inline __attribute__((always_inline)) void attend_one(
     const long qo = (long)b * q_row + (long)g * REP * D;
     const long base = (long)b * kv_row + (long)g * kv_head;
     const int64_t *m = mask + (long)b * mask_row;
+    if (L > 0 && !m[L - 1]) L = 0; /* an idle row (see keel_decode_attention): no own keys */
     float qs[REP][NC * 16];
     v16 qv[REP][NC];
     for (int r = 0; r < REP; r++)
@@ -308,7 +309,11 @@ static inline __attribute__((always_inline)) void attend_one(
  * is visible to row b; out [B, H, D] contiguous in the dtype; scratch [B*KV, H/KV, P16 + L16] fp32
  * (L16: L rounded up to a multiple of 16). Query head h reads kv head h / (H/KV). Scores, softmax
  * and the weighted sum are fp32; the output is rounded once. D ∈ {32, 64, 128} and H/KV ∈ {1, 2, 3, 4, 8}
- * (keel/native.py checks). */
+ * (keel/native.py checks). A row whose newest own key (position L-1) is hidden from it is idle: a
+ * rollout row that is not decoding this step (its turn ended before the batch's), whose output
+ * keel.decode discards. Its own keys are not read (at the end of a ragged turn most rows are idle
+ * and their own keys were most of the attention's memory traffic); its output is the prefix's
+ * attention alone (zero without a prefix). */
 void keel_decode_attention(const void *q, long q_row, const float *pkt, const float *pv, int P, int P16, const void *k,
                            const void *v, long kv_row, long kv_head, int L, const int64_t *mask, long mask_row, void *out,
                            float *scratch, int B, int H, int KV, int D, float scale, int bf16) {
@@ -432,6 +437,7 @@ static inline __attribute__((always_inline)) void amx_own(
     const long base = (long)b * kv_row + (long)g * kv_head;
     const long row0 = (long)g * M16 + (long)b * REP; /* this pair's first query row in S, Pb, O, inv */
     const int64_t *m = mask + (long)b * mask_row;
+    if (L > 0 && !m[L - 1]) L = 0; /* an idle row (see keel_decode_attention): no own keys */
     v16 qv[REP][NC];
     for (int r = 0; r < REP; r++)
         for (int c = 0; c < NC; c++) qv[r][c] = load16(q, qo + (long)r * D + c * 16, 1) * scale;

@@ -196,8 +196,9 @@ def _cascade_attention(model, enabled: bool):
         yield
 
 
-def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, object, torch.Tensor]:
-    """Encode the prompts into one batched KV cache.
+def _prefill(model, prompts: list[list[int]], device, decoder: LeanDecoder | None = None) -> tuple[torch.Tensor, object, torch.Tensor]:
+    """Encode the prompts into one batched KV cache (the remainders' block through `decoder.block`
+    when given, else the model's forward).
 
     Returns (last logits [B, V], cache, attention mask [B, L]). Prompts of one run share a long
     prefix (system block with the tool schemas, ~600 tokens for the KG env): it is encoded once
@@ -242,7 +243,10 @@ def _prefill(model, prompts: list[list[int]], device) -> tuple[torch.Tensor, obj
         block[i, width - len(r) :] = 1
         positions[i, width - len(r) :] = torch.arange(lcp, lcp + len(r), device=device)
     attn = torch.cat([torch.ones(D, lcp, dtype=torch.long, device=device), block], dim=1)
-    logits, cache = _forward(model, feed, attn, positions, cache)
+    if decoder is not None:
+        logits = decoder.block(feed, attn, positions, cache)
+    else:
+        logits, cache = _forward(model, feed, attn, positions, cache)
     if D < B:
         index = torch.tensor(rows, device=device)
         for layer in cache.layers:
@@ -393,8 +397,9 @@ def rollout(
     `generator`: one for the whole batch, or one per row; with one per row a row's samples depend
     only on its generator and the weights, not on which other rows share its batch (data-parallel
     ranks then sample what one process would, up to floating-point ties).
-    `lean`: decode steps run `keel.decode.LeanDecoder` (the same function as the model's forward,
-    with fewer and larger ops) when the model's layout allows; False: transformers' forward.
+    `lean`: decode steps, tool-response blocks and the prompts' remainders after the shared prefix
+    run `keel.decode.LeanDecoder` (the same function as the model's forward, with fewer and larger
+    ops) when the model's layout allows; False: transformers' forward.
     `chat`: render with the model's own chat template (keel.templates) instead of Keel's Hermes
     ChatML: its prompt, its family's end-of-turn token and call parser, its deltas after each turn.
     Hints are Hermes-only (their removable layout is `encode_prompt`'s).
@@ -432,9 +437,10 @@ def rollout(
     attention = contextlib.ExitStack()
     try:
         attention.enter_context(_cascade_attention(model, device.type == "cpu"))
-        logits, cache, attn = _prefill(model, [r.ids for r in rows], device)
-        decoder = LeanDecoder.build(model) if lean else None  # after prefill: its weights are this rollout's
-        prefill_s = time.perf_counter() - t0
+        decoder = LeanDecoder.build(model) if lean else None  # copies of this rollout's weights
+        layout_s = time.perf_counter() - t0  # counted with the decode steps (prefill_s is the prompts' encoding)
+        logits, cache, attn = _prefill(model, [r.ids for r in rows], device, decoder)
+        prefill_s = time.perf_counter() - t0 - layout_s
         prefix = getattr(cache.layers[0], "prefix", None)
         prefix_cols = prefix[0].shape[-2] if prefix is not None else 0  # attn columns not in the rows' cache
         for r in rows:
@@ -555,7 +561,10 @@ def rollout(
                 r.n_valid += len(blk)
                 r.pending = []
             attn = torch.cat([attn, block_mask], dim=1)
-            logits, cache = _forward(model, feed, attn, positions, cache)
+            if decoder is not None:
+                logits = decoder.block(feed, attn, positions, cache)
+            else:
+                logits, cache = _forward(model, feed, attn, positions, cache)
             append_s += time.perf_counter() - t_append
     finally:
         attention.close()
@@ -572,7 +581,8 @@ def rollout(
     for r in rows:
         tr = r.traj
         tr.token_ids, tr.sources, tr.logprobs = r.ids, [int(s) for s in r.sources], r.logprobs
-        # the batch's seconds: all, encoding the prompts, appending tool responses (the rest is decoding)
+        # the batch's seconds: all, encoding the prompts, appending tool responses (the rest is decoding, the decoder's
+        # weight layout included)
         tr.info.update(rollout_s=elapsed, prefill_s=prefill_s, append_s=append_s)
         out.append(tr)
     return out

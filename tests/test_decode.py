@@ -56,6 +56,31 @@ def test_step_logits_match_a_full_forward(tiny):
     assert (logits[0] - full).abs().max().item() <= 1e-4
 
 
+def test_block_matches_transformers_forward_on_the_same_cache(tiny):
+    """W tokens per row at once (a tool-response block) with hidden columns in the mask: the last
+    column's logits and the keys and values appended equal transformers' forward of the same block."""
+    model, tok = tiny
+    ids = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)] * 2)
+    ids[1, -3] = ids[0, 2]  # the rows' blocks differ
+    n, W = ids.shape[1], 4
+    attn = torch.ones(2, n, dtype=torch.long)
+    attn[1, 1:3] = 0  # row 1 hides two cached columns
+    attn[0, n - W] = 0  # and row 0 its block's first token (left padding of a ragged block)
+    positions = torch.arange(n - W, n).repeat(2, 1)
+    caches = []
+    with torch.no_grad():
+        for _ in range(2):
+            caches.append(engine._growing_cache())
+            model(input_ids=ids[:, :-W], past_key_values=caches[-1], use_cache=True)
+        want = model(input_ids=ids[:, -W:], attention_mask=attn, position_ids=positions, past_key_values=caches[0],
+                     use_cache=True).logits[:, -1].float()
+        got = LeanDecoder.build(model).block(ids[:, -W:], attn, positions, caches[1])
+    assert (got - want).abs().max().item() <= 1e-4
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert a.keys.shape == b.keys.shape == (2, a.keys.shape[1], n, a.keys.shape[3])
+        assert (a.keys - b.keys).abs().max().item() <= 1e-5 and (a.values - b.values).abs().max().item() <= 1e-5
+
+
 def test_other_layouts_keep_transformers_forward():
     assert LeanDecoder.build(torch.nn.Linear(2, 2)) is None
 

@@ -24,11 +24,12 @@ def _steer(tok):
     return steer
 
 
-def _run(tiny, n=8, temperature=1.0, seed=0):
+def _run(tiny, n=8, temperature=1.0, seed=0, lean=True):
     model, tok = tiny
     env = EchoEnv(lengths=(1, 7, 3, 12))
     params = SamplingParams(max_turns=4, max_new_tokens=40, temperature=temperature)
-    trajs = rollout(model, tok, env, make_tasks(n), params, generator=torch.Generator().manual_seed(seed), steer=_steer(tok))
+    trajs = rollout(model, tok, env, make_tasks(n), params, generator=torch.Generator().manual_seed(seed), steer=_steer(tok),
+                    lean=lean)
     return trajs, env
 
 
@@ -173,12 +174,14 @@ def test_the_lm_head_reads_a_contiguous_last_column_in_every_batched_forward(tin
     """Prefill and tool-response blocks ask for the last column's logits only. Sliced as a strided
     [B, 1, H] view (transformers' int `logits_to_keep`), torch's CPU bf16 linear broadcasts the LM
     head to every row (2.7 GB and 1.8 s at batch 50 for SmolLM2); the rollout must hand the head
-    a contiguous slice, and keep the logits it gave before."""
+    a contiguous slice, and keep the logits it gave before. (With `lean` the tool-response blocks
+    go through keel.decode's block forward instead, which slices the last column itself: here
+    transformers' forward does every block, as for models keel.decode does not cover.)"""
     model, tok = tiny
     seen = []
     handle = model.lm_head.register_forward_pre_hook(lambda mod, args: seen.append((tuple(args[0].shape), args[0].is_contiguous())))
     try:
-        trajs, _ = _run(tiny, temperature=0.7)
+        trajs, _ = _run(tiny, temperature=0.7, lean=False)
     finally:
         handle.remove()
     batched = [s for s in seen if s[0][0] > 1 and len(s[0]) == 3]  # the forwards of ragged blocks (decode steps use keel.decode)
