@@ -333,24 +333,63 @@ void keel_decode_attention(const void *q, long q_row, const float *pkt, const fl
 /* Inverse-CDF sampling from softmax(logits / temperature) over each row of logits [rows, V]
  * (fp32), as keel.rollout._choose does it in torch: the first token whose running sum of
  * probabilities reaches u[r] times their total; temperature ≤ 0: the first maximal logit (greedy,
- * u unused). tok[r] and its log-probability logp[r]. The scan recomputes each block's
- * exponentials (the same values as the total's) instead of keeping a [rows, V] buffer. */
+ * u unused). tok[r] and its log-probability logp[r]; `active` (NULL: every row): rows r with
+ * active[r] == 0 are not sampled (tok 0, logp 0: a rollout's rows whose turn has ended). The scan
+ * recomputes each block's exponentials (the same values as the total's) instead of keeping a
+ * [rows, V] buffer. */
 static inline v16 block_exp(const float *l, int j, float t, float M) {
     v16 z;
     memcpy(&z, l + j, sizeof z);
     return vexp(z / t - M, 1);
 }
 
-void keel_sample(const float *logits, int rows, int V, float temperature, const float *u, int64_t *tok, float *logp) {
+void keel_sample(const float *logits, int rows, int V, float temperature, const float *u, const int8_t *active, int64_t *tok,
+                 float *logp) {
     const int V16 = V / 16 * 16;
     const float t = temperature > 0.0f ? temperature : 1.0f;
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < rows; r++) {
+        if (active && !active[r]) {
+            tok[r] = 0, logp[r] = 0.0f;
+            continue;
+        }
         const float *l = logits + (long)r * V;
+        /* the first maximum (torch.argmax's tie rule; NaNs never win): the largest value, 16 at a
+         * time, then the first position that holds it */
         float M = -INFINITY;
+        {
+            v16 mx = (v16){0} - INFINITY;
+            for (int j = 0; j < V16; j += 16) {
+                v16 x;
+                memcpy(&x, l + j, sizeof x);
+                v16i gt = x > mx;
+                mx = (v16)(((v16i)x & gt) | ((v16i)mx & ~gt));
+            }
+            for (int i = 0; i < 16; i++) M = mx[i] > M ? mx[i] : M;
+            for (int j = V16; j < V; j++) M = l[j] > M ? l[j] : M;
+        }
         int best = 0;
-        for (int j = 0; j < V; j++) /* the first maximum (torch.argmax's tie rule) */
-            if (l[j] > M) M = l[j], best = j;
+        for (int j = 0; j < V16; j += 16) {
+            v16 x;
+            memcpy(&x, l + j, sizeof x);
+            v16i eq = x == M;
+            int any = 0;
+            for (int i = 0; i < 16; i++) any |= eq[i];
+            if (any) {
+                for (int i = 0; i < 16; i++)
+                    if (eq[i]) {
+                        best = j + i;
+                        break;
+                    }
+                goto found;
+            }
+        }
+        for (int j = V16; j < V; j++)
+            if (l[j] == M) {
+                best = j;
+                break;
+            }
+    found:
         M /= t;
         v16 sum = {0};
         float tail = 0.0f;

@@ -350,6 +350,8 @@ def _choose(logits: torch.Tensor, params: SamplingParams, generator, active: Seq
 
     logits: [B, V] fp32 → (tokens [B], log-probs [B] under the temperature-scaled distribution).
     `generator`: one torch.Generator, or a list with one per row (see `_uniforms`).
+    `active`: False for rows whose turn has ended (their samples are ignored): they draw nothing
+    from per-row generators, and the kernel skips them (token 0, log-prob 0).
     On CPU one call of keel/decode_ops.c's `keel_sample` does the same (keel.native), ~2 ms a
     step less at batch 16 over SmolLM2's 49k tokens than these six ops.
     """
@@ -359,8 +361,9 @@ def _choose(logits: torch.Tensor, params: SamplingParams, generator, active: Seq
         B, V = logits.shape
         u = torch.zeros(B) if params.greedy else _uniforms(B, generator, active, logits.device)[:, 0].contiguous()
         tok, logp = torch.empty(B, dtype=torch.long), torch.empty(B)
-        lib.keel_sample(logits.data_ptr(), B, V, 0.0 if params.greedy else float(params.temperature), u.data_ptr(), tok.data_ptr(),
-                        logp.data_ptr())
+        rows = None if active is None or all(active) else torch.tensor(active, dtype=torch.int8)  # inactive rows: not sampled
+        lib.keel_sample(logits.data_ptr(), B, V, 0.0 if params.greedy else float(params.temperature), u.data_ptr(),
+                        None if rows is None else rows.data_ptr(), tok.data_ptr(), logp.data_ptr())
         return tok, logp
     if params.greedy:
         logp = torch.log_softmax(logits, dim=-1)

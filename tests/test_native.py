@@ -160,6 +160,25 @@ def test_sampling_matches_the_torch_inverse_cdf(temperature, monkeypatch):
     assert tok[2] < 500
 
 
+@needs_lib
+def test_sampling_ties_nans_and_inactive_rows():
+    """Greedy picks the first of tied maxima (torch.argmax's rule; also in the 7 tokens past the
+    last block of 16), NaNs never win, and rows marked inactive are not sampled."""
+    logits = torch.zeros(5, 1003)
+    logits[0, [40, 700, 900]] = 5.0  # tied maxima: 40
+    logits[1, [999, 1001]] = 5.0  # only in the tail past 992: 999
+    logits[2, 17] = float("nan")
+    logits[2, 600] = 1.0  # 600, not the NaN
+    logits[3, 3] = 9.0
+    logits[4, 8] = 9.0
+    greedy = SamplingParams(greedy=True)
+    tok, logp = engine._choose(logits, greedy, None)
+    assert tok.tolist() == [40, 999, 600, 3, 8]
+    tok, logp = engine._choose(logits, greedy, None, active=[True, True, True, False, True])
+    assert tok.tolist() == [40, 999, 600, 0, 8] and logp[3].item() == 0.0
+    assert logp[4].item() == pytest.approx(-torch.logsumexp(logits[4].double() - 9.0, 0).item(), rel=1e-4)  # fp32 sum of 1003 terms
+
+
 def _gqa_model(dtype):
     """A tiny random Llama whose head dim (32) the kernels serve (the suite's tiny model has 16)."""
     from transformers import LlamaConfig, LlamaForCausalLM
