@@ -310,10 +310,10 @@ class LeanDecoder:
         cos, sin = self._rotary_tables(positions.reshape(-1), dtype)
         prefix = getattr(cache.layers[0], "prefix", None)
         P = prefix[0].shape[-2] if prefix is not None else 0
-        own = attn[:, P:].bool()  # [B, L + W]
-        L = own.shape[1]
-        causal = torch.arange(L, device=attn.device)[None, :] <= torch.arange(L - W, L, device=attn.device)[:, None]  # [W, L + W]
-        mask = own[:, None, None, :] & causal[None, None]  # [B, 1, W, L + W]
+        own = attn[:, P:].bool()  # [B, N]: the rows' cached columns, then the block's W
+        N = own.shape[1]
+        causal = torch.arange(N, device=attn.device)[None, :] <= torch.arange(N - W, N, device=attn.device)[:, None]  # [W, N]
+        mask = own[:, None, None, :] & causal[None, None]  # [B, 1, W, N]
         prepared = cascade._rows_mask(mask, H // KV, dtype) if prefix is not None else mask
         ops = self.ops
         h, x = ops.norm(h, None, self.layers[0].ln1)
