@@ -354,42 +354,28 @@ void keel_sample(const float *logits, int rows, int V, float temperature, const 
             continue;
         }
         const float *l = logits + (long)r * V;
-        /* the first maximum (torch.argmax's tie rule; NaNs never win): the largest value, 16 at a
-         * time, then the first position that holds it */
+        /* the first maximum (torch.argmax's tie rule; NaNs never win), 16 lanes at a time: each
+         * lane keeps its largest value and where it first saw it; then the largest of the lanes,
+         * the smallest position among the lanes that hold it, and the tail past the last block */
         float M = -INFINITY;
+        int best = 0;
         {
             v16 mx = (v16){0} - INFINITY;
-            for (int j = 0; j < V16; j += 16) {
+            v16i at = {0}, pos = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+            for (int j = 0; j < V16; j += 16, pos += 16) {
                 v16 x;
                 memcpy(&x, l + j, sizeof x);
                 v16i gt = x > mx;
                 mx = (v16)(((v16i)x & gt) | ((v16i)mx & ~gt));
+                at = (pos & gt) | (at & ~gt);
             }
             for (int i = 0; i < 16; i++) M = mx[i] > M ? mx[i] : M;
-            for (int j = V16; j < V; j++) M = l[j] > M ? l[j] : M;
+            best = V; /* some lane holds M (all -inf or NaN: every lane holds -inf at position 0) */
+            for (int i = 0; i < 16; i++)
+                if (mx[i] == M && at[i] < best) best = at[i];
+            for (int j = V16; j < V; j++)
+                if (l[j] > M) M = l[j], best = j;
         }
-        int best = 0;
-        for (int j = 0; j < V16; j += 16) {
-            v16 x;
-            memcpy(&x, l + j, sizeof x);
-            v16i eq = x == M;
-            int any = 0;
-            for (int i = 0; i < 16; i++) any |= eq[i];
-            if (any) {
-                for (int i = 0; i < 16; i++)
-                    if (eq[i]) {
-                        best = j + i;
-                        break;
-                    }
-                goto found;
-            }
-        }
-        for (int j = V16; j < V; j++)
-            if (l[j] == M) {
-                best = j;
-                break;
-            }
-    found:
         M /= t;
         v16 sum = {0};
         float tail = 0.0f;

@@ -441,9 +441,8 @@ def rollout(
     try:
         attention.enter_context(_cascade_attention(model, device.type == "cpu"))
         decoder = LeanDecoder.build(model) if lean else None  # copies of this rollout's weights
-        layout_s = time.perf_counter() - t0  # counted with the decode steps (prefill_s is the prompts' encoding)
         logits, cache, attn = _prefill(model, [r.ids for r in rows], device, decoder)
-        prefill_s = time.perf_counter() - t0 - layout_s
+        prefill_s = time.perf_counter() - t0  # the decoder's weight layout included
         prefix = getattr(cache.layers[0], "prefix", None)
         prefix_cols = prefix[0].shape[-2] if prefix is not None else 0  # attn columns not in the rows' cache
         for r in rows:
@@ -584,8 +583,8 @@ def rollout(
     for r in rows:
         tr = r.traj
         tr.token_ids, tr.sources, tr.logprobs = r.ids, [int(s) for s in r.sources], r.logprobs
-        # the batch's seconds: all, encoding the prompts, appending tool responses (the rest is decoding, the decoder's
-        # weight layout included)
+        # the batch's seconds: all, encoding the prompts (and laying out the decoder's weights), appending tool responses
+        # (the rest is decoding)
         tr.info.update(rollout_s=elapsed, prefill_s=prefill_s, append_s=append_s)
         out.append(tr)
     return out
