@@ -126,13 +126,16 @@ class _TorchOps:
 
     def attend(self, i: int, q, layer, keys, values, mask, scale: float):
         """q [B, H, D] over [the layer's shared prefix ‖ keys/values [B, KV, L+1, D]] → [B, H·D]."""
-        B = q.shape[0]
-        if layer.prefix is not None:
-            pk, pv = layer.prefix
-            out = cascade.split_attention(q[:, :, None, :], pk, pv, keys, values, None, scale, mask)
-        else:
-            out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.reshape(B, -1)
+        return _attention(q[:, :, None, :], layer, keys, values, mask, scale).reshape(q.shape[0], -1)
+
+
+def _attention(q, layer, keys, values, mask, scale: float):
+    """q [B, H, Q, D] over [the layer's shared prefix ‖ keys/values [B, KV, L, D]] in torch ops →
+    [B, H, Q, D]: keel.cascade's split attention (`mask` as cascade._rows_mask prepares it), or
+    one SDPA call without a prefix (`mask` boolean [B, 1, Q, L], True = visible)."""
+    if layer.prefix is not None:
+        return cascade.split_attention(q, layer.prefix[0], layer.prefix[1], keys, values, None, scale, mask)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def _round_up(n: int, m: int) -> int:
@@ -315,20 +318,14 @@ class LeanDecoder:
         causal = torch.arange(N, device=attn.device)[None, :] <= torch.arange(N - W, N, device=attn.device)[:, None]  # [W, N]
         mask = own[:, None, None, :] & causal[None, None]  # [B, 1, W, N]
         prepared = cascade._rows_mask(mask, H // KV, dtype) if prefix is not None else mask
-        ops = self.ops
-        h, x = ops.norm(h, None, self.layers[0].ln1)
-        for i, w in enumerate(self.layers):
-            q, k, v = ops.rotary(w.wqkv(x), cos, sin, H, KV, D)  # [B·W, heads, D] views
+
+        def attend(i, q, k, v):  # q, k, v [B·W, heads, D] → [B·W, H·D]
             layer = cache.layers[i]
             keys, values = layer.update(k.view(B, W, KV, D).transpose(1, 2), v.view(B, W, KV, D).transpose(1, 2))
-            q = q.view(B, W, H, D).transpose(1, 2)  # [B, H, W, D]
-            if layer.prefix is not None:
-                out = cascade.split_attention(q, layer.prefix[0], layer.prefix[1], keys, values, None, self.scale, prepared)
-            else:
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=prepared, scale=self.scale, enable_gqa=True)
-            h, x = ops.norm(h, w.wo(out.transpose(1, 2).reshape(B * W, H * D)), w.ln2)
-            delta = w.wdown(ops.swiglu(w.wgu(x), self.intermediate))
-            h, x = ops.norm(h, delta, self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm)
+            out = _attention(q.view(B, W, H, D).transpose(1, 2), layer, keys, values, prepared, self.scale)  # [B, H, W, D]
+            return out.transpose(1, 2).reshape(B * W, H * D)
+
+        x = self._layers(h, cos, sin, attend)
         return self.lm_head(x.view(B, W, -1)[:, -1].contiguous()).float()
 
     @torch.no_grad()
@@ -336,7 +333,6 @@ class LeanDecoder:
         """tokens, positions [B, 1]; attn [B, P + L + 1] over [shared prefix ‖ own cached keys ‖
         this token] (1 = visible); cache: the rollout's DynamicCache of growing layers, appended
         in place. Returns the next-token logits [B, V] in fp32."""
-        B = tokens.shape[0]
         H, KV, D = self.heads, self.kv_heads, self.head_dim
         h = F.embedding(tokens[:, 0], self.embed)  # [B, hidden]
         dtype = h.dtype
@@ -344,13 +340,25 @@ class LeanDecoder:
         prefix = getattr(cache.layers[0], "prefix", None)
         ops = self.ops
         mask = ops.prepare(attn, prefix[0].shape[-2] if prefix is not None else 0, H, KV, dtype, D)
-        h, x = ops.norm(h, None, self.layers[0].ln1)
-        for i, w in enumerate(self.layers):
-            q, k, v = ops.rotary(w.wqkv(x), cos, sin, H, KV, D)
+
+        def attend(i, q, k, v):  # q, k, v [B, heads, D] → [B, H·D]
             layer = cache.layers[i]
             keys, values = layer.update(k[:, :, None, :], v[:, :, None, :])  # [B, KV, L+1, D]
-            h, x = ops.norm(h, w.wo(ops.attend(i, q, layer, keys, values, mask, self.scale)), w.ln2)
+            return ops.attend(i, q, layer, keys, values, mask, self.scale)
+
+        return self.lm_head(self._layers(h, cos, sin, attend)).float()
+
+    def _layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layers over the rows of h [N, hidden] (the embeddings; updated in place by
+        the native ops) with rotary tables cos, sin [N, D]; `attend(i, q, k, v)` appends layer i's
+        keys and values to the cache and returns the attention output [N, H·D]. Returns the final
+        RMSNorm's output [N, hidden]."""
+        ops = self.ops
+        h, x = ops.norm(h, None, self.layers[0].ln1)
+        for i, w in enumerate(self.layers):
+            q, k, v = ops.rotary(w.wqkv(x), cos, sin, self.heads, self.kv_heads, self.head_dim)
+            h, x = ops.norm(h, w.wo(attend(i, q, k, v)), w.ln2)
             delta = w.wdown(ops.swiglu(w.wgu(x), self.intermediate))
             h, x = ops.norm(h, delta, self.layers[i + 1].ln1 if i + 1 < len(self.layers) else self.norm)
-        return self.lm_head(x).float()
+        return x
 

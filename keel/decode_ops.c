@@ -215,6 +215,10 @@ static inline float exp_shifted(float *s, int W, float M, uint16_t *copy, int n_
     default: BY_D(8, D); break;    \
     }
 
+/* The own keys row b's attention reads: L, or none for an idle row (see keel_decode_attention:
+ * its newest own key, position L-1, is hidden from it). */
+static inline int own_keys(const int64_t *m, int L) { return L > 0 && !m[L - 1] ? 0 : L; }
+
 /* One (row b, kv head g) pair: its `rep` query heads over the prefix and the row's own keys.
  * REP and NC (= D/16) are compile-time constants in every instantiation below, so the
  * accumulators live in registers. */
@@ -226,7 +230,7 @@ static inline __attribute__((always_inline)) void attend_one(
     const long qo = (long)b * q_row + (long)g * REP * D;
     const long base = (long)b * kv_row + (long)g * kv_head;
     const int64_t *m = mask + (long)b * mask_row;
-    if (L > 0 && !m[L - 1]) L = 0; /* an idle row (see keel_decode_attention): no own keys */
+    L = own_keys(m, L);
     float qs[REP][NC * 16];
     v16 qv[REP][NC];
     for (int r = 0; r < REP; r++)
@@ -462,7 +466,7 @@ static inline __attribute__((always_inline)) void amx_own(
     const long base = (long)b * kv_row + (long)g * kv_head;
     const long row0 = (long)g * M16 + (long)b * REP; /* this pair's first query row in S, Pb, O, inv */
     const int64_t *m = mask + (long)b * mask_row;
-    if (L > 0 && !m[L - 1]) L = 0; /* an idle row (see keel_decode_attention): no own keys */
+    L = own_keys(m, L);
     v16 qv[REP][NC];
     for (int r = 0; r < REP; r++)
         for (int c = 0; c < NC; c++) qv[r][c] = load16(q, qo + (long)r * D + c * 16, 1) * scale;

@@ -186,6 +186,14 @@ def _forward(model, input_ids, attn, positions, cache):
     return out.logits[:, -1, :].float(), out.past_key_values
 
 
+def _block(model, decoder: LeanDecoder | None, input_ids, attn, positions, cache):
+    """(last column's logits [B, V] fp32, cache) of a block of new tokens per row appended to the
+    cache: through `decoder.block` where there is a decoder, else the model's forward."""
+    if decoder is not None:
+        return decoder.block(input_ids, attn, positions, cache), cache
+    return _forward(model, input_ids, attn, positions, cache)
+
+
 @contextlib.contextmanager
 def _cascade_attention(model, enabled: bool):
     """Run the model with keel.cascade's attention (shared prefix stored and read once) inside."""
@@ -243,10 +251,7 @@ def _prefill(model, prompts: list[list[int]], device, decoder: LeanDecoder | Non
         block[i, width - len(r) :] = 1
         positions[i, width - len(r) :] = torch.arange(lcp, lcp + len(r), device=device)
     attn = torch.cat([torch.ones(D, lcp, dtype=torch.long, device=device), block], dim=1)
-    if decoder is not None:
-        logits = decoder.block(feed, attn, positions, cache)
-    else:
-        logits, cache = _forward(model, feed, attn, positions, cache)
+    logits, cache = _block(model, decoder, feed, attn, positions, cache)
     if D < B:
         index = torch.tensor(rows, device=device)
         for layer in cache.layers:
@@ -563,10 +568,7 @@ def rollout(
                 r.n_valid += len(blk)
                 r.pending = []
             attn = torch.cat([attn, block_mask], dim=1)
-            if decoder is not None:
-                logits = decoder.block(feed, attn, positions, cache)
-            else:
-                logits, cache = _forward(model, feed, attn, positions, cache)
+            logits, cache = _block(model, decoder, feed, attn, positions, cache)
             append_s += time.perf_counter() - t_append
     finally:
         attention.close()
