@@ -71,6 +71,7 @@ class DataConfig:
     max_hops: int = doc(0, "synthetic: skip questions whose gold needs more tool turns (hops) than this; 0: no limit")
     templates: list[str] = doc([], "synthetic: question templates to keep (keel.config.QUESTION_TEMPLATES, e.g. director_birthplace), within data.kinds; empty: all of them")
     rl_templates: list[str] = doc([], "templates RL trains on and the dev evaluations report, a subset of data.templates (by the tasks' meta 'template'); the SFT warm-start still sees every training question. Empty: all of them")
+    sft_templates: list[str] = doc([], "templates the SFT warm-start trains on, a subset of data.templates (by the tasks' meta 'template'): with data.rl_templates outside it, RL learns compositions SFT never showed. Empty: every training question")
     nationality_from_birth: float = doc(0.8, "synthetic: share of people whose nationality is their birth city's country (the rest: a random country); at 0.8 nationality is a one-hop shortcut for birth-country questions (GRPO was seen taking it); 0: independent")
     dir: str = doc("", "source=dir: a dataset directory with kb.tsv and train/dev/test.jsonl (from `keel data kg-synth`)")
     kb: str = doc("", "source=files: triples file (TSV head\\trelation\\ttail or |-separated, .gz ok)")
@@ -239,6 +240,7 @@ class CallVolumeConfig:
     max_ratio: float = doc(0.5, "fire when the current value ≤ max_ratio × the maximum over the lookback (paper B: 3.0 → 1.0 is 0.33)")
     lookback_steps: int = doc(100, "steps over which the reference maximum is taken (two paper-B eval windows)")
     min_reference: float = doc(1.5, "the reference maximum must be at least this many calls per question")
+    min_answered: float = doc(0.5, "a level is a reference only where at least this share of episodes answered (eval/answered; training: 1 − rollout/truncated_share, smoothed alike): a policy calling until the turn limit shows the limit, not a call volume it chose, and its fall to a working number of calls is no collapse; 0: every level")
     smooth: int = doc(5, "trailing median length for the train-step series (rollout batches are noisy)")
     action: str = doc("warn", ACTION_HELP)
     on_rollback: dict[str, str] = doc({}, ROLLBACK_HELP)
@@ -714,6 +716,7 @@ def validate(cfg: Config) -> None:
     known = {t for k in kinds for t in QUESTION_TEMPLATES.get(k, ())}
     unknown_templates = sorted(set(cfg.data.templates) - known)
     outside_rl = sorted(set(cfg.data.rl_templates) - (set(cfg.data.templates) or known))
+    outside_sft = sorted(set(cfg.data.sft_templates) - (set(cfg.data.templates) or known))
     checks = [
         (cfg.rollout.group_size >= 1, "rollout.group_size must be ≥ 1"),
         (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be ≥ 1"),
@@ -737,6 +740,8 @@ def validate(cfg: Config) -> None:
         (not unknown_templates, f"data.templates: {unknown_templates} are not templates of data.kinds {kinds} (keel.config.QUESTION_TEMPLATES)"),
         (not outside_rl, f"data.rl_templates: {outside_rl} are not among data.templates {cfg.data.templates or sorted(known)}"),
         (not cfg.data.rl_templates or cfg.env.kind == "kg", f"data.rl_templates selects knowledge-graph question templates; env.kind={cfg.env.kind} has none"),
+        (not outside_sft, f"data.sft_templates: {outside_sft} are not among data.templates {cfg.data.templates or sorted(known)}"),
+        (not cfg.data.sft_templates or cfg.env.kind == "kg", f"data.sft_templates selects knowledge-graph question templates; env.kind={cfg.env.kind} has none"),
         (cfg.env.call_format in CALL_FORMATS, f"env.call_format must be one of {', '.join(CALL_FORMATS)}, got {cfg.env.call_format!r}"),
         (cfg.env.call_format == "json" or cfg.env.kind == "fc_learn", f"env.call_format={cfg.env.call_format} is for env.kind=fc_learn; env.kind={cfg.env.kind} writes calls as Hermes JSON"),
         (not cfg.data.fc_train_classes or cfg.env.kind == "fc_learn", f"data.fc_train_classes selects fc_learn's API classes; env.kind={cfg.env.kind} has none"),

@@ -61,7 +61,7 @@ class Run:
     sampler: Any
     env: Env
     train_tasks: list[Task]  # what RL draws from (data.rl_templates' questions)
-    sft_tasks: list[Task]  # the warm-start's questions: every training question
+    sft_tasks: list[Task]  # the warm-start's questions (data.sft_templates'; every training question by default)
     dev: list[Task]  # the dev questions every evaluation uses
     tasks_by_id: dict[str, Task]
     progress: Progress
@@ -230,8 +230,8 @@ def start(cfg: Config, run_dir: Path, reward_fn, tracker, interrupted: Interrupt
             env, train_tasks, dev_tasks = prepared or task_builder.prepare(cfg, run_dir, tok, chat)
         barrier(ctx)
     dev = dev_tasks[: cfg.eval.n_dev]
-    sft_tasks, train_tasks = train_tasks, task_builder.rl_pool(cfg, train_tasks, "training")
-    tasks_by_id = {t.id: t for t in sft_tasks + dev}
+    sft_tasks, train_tasks = task_builder.sft_pool(cfg, train_tasks), task_builder.rl_pool(cfg, train_tasks, "training")
+    tasks_by_id = {t.id: t for t in sft_tasks + train_tasks + dev}
     pieces, detectors, freq_baseline = PieceCache(tok), Detectors(cfg.detectors), ControlFrequencyBaseline()
     progress = Progress(summary={"run_dir": str(run_dir), "model": cfg.model.name, "n_train": len(train_tasks), "n_sft": len(sft_tasks), "n_dev_eval": len(dev)})
     sampler = model if cfg.rollout.dtype == cfg.model.dtype else frozen_copy(model, DTYPES[cfg.rollout.dtype])

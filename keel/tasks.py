@@ -106,21 +106,32 @@ def build(cfg: Config, run_dir: Path | None = None, training: bool = True) -> tu
     if cfg.env.plan:
         train = [env.with_plan(t) for t in train]
         dev = [env.with_plan(t) for t in dev]
-    rl_pool(cfg, train, "training")  # refused here, before a run directory exists; keel.run.start keeps the pool
+    rl_pool(cfg, train, "training")  # refused here, before a run directory exists; keel.run.start keeps the pools
+    sft_pool(cfg, train)
     dev = rl_pool(cfg, dev, "dev")
     return env, train, dev
 
 
 def rl_pool(cfg: Config, tasks: list[Task], which: str) -> list[Task]:
     """The tasks of data.rl_templates (by meta 'template'): what RL trains on and the dev
-    evaluations report, while the SFT warm-start keeps every training question. All of them
-    when data.rl_templates is empty; none left is a DataError naming the set."""
-    keep = set(cfg.data.rl_templates)
+    evaluations report. All of them when data.rl_templates is empty; none left is a DataError
+    naming the set."""
+    return _with_templates(tasks, cfg.data.rl_templates, "data.rl_templates", which)
+
+
+def sft_pool(cfg: Config, train: list[Task]) -> list[Task]:
+    """The training tasks of data.sft_templates: the SFT warm-start's questions (every training
+    question when it is empty). Independent of data.rl_templates: the two may overlap, or not."""
+    return _with_templates(train, cfg.data.sft_templates, "data.sft_templates", "training")
+
+
+def _with_templates(tasks: list[Task], templates: list[str], key: str, which: str) -> list[Task]:
+    keep = set(templates)
     if not keep:
         return tasks
     kept = [t for t in tasks if (t.meta or {}).get("template") in keep]
     if not kept:
-        raise DataError(f"data.rl_templates {sorted(keep)}: no {which} question has one of these templates")
+        raise DataError(f"{key} {sorted(keep)}: no {which} question has one of these templates")
     return kept
 
 

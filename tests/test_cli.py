@@ -63,11 +63,13 @@ def test_rl_from_a_checkpoint_reports_its_lift_against_the_first_eval(tmp_path):
     assert "RL lifted dev EM" in r.stdout
 
 
-def test_rl_templates_the_warm_start_sees_every_question_rl_and_the_evals_only_theirs(tmp_path):
+@pytest.mark.parametrize("sft_templates", [None, "[spouse,director_birthplace]"])
+def test_rl_templates_the_warm_start_sees_every_question_rl_and_the_evals_only_theirs(tmp_path, sft_templates):
     out = tmp_path / "run"
+    narrow = ["--set", f"data.sft_templates={sft_templates}"] if sft_templates else []
     r = keel("train", "configs/smoke.yaml", "--out", str(out), "--set", "data.kinds=[composition]",
              "--set", "data.templates=[birthplace_country,director_birthplace,spouse]",
-             "--set", "data.rl_templates=[birthplace_country,director_birthplace]", "--set", "sft.packed=true")
+             "--set", "data.rl_templates=[birthplace_country,director_birthplace]", "--set", "sft.packed=true", *narrow)
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     templates = {}
@@ -76,7 +78,9 @@ def test_rl_templates_the_warm_start_sees_every_question_rl_and_the_evals_only_t
             q = json.loads(line)
             templates[q["id"]] = q["meta"]["template"]
     train_templates = [t for i, t in templates.items() if "-train-" in i]
-    assert summary["n_sft"] == len(train_templates) == 16  # SFT: every training question, one packed example each
+    assert len(train_templates) == 16
+    warm = [t for t in train_templates if t in ("spouse", "director_birthplace")] if sft_templates else train_templates
+    assert summary["n_sft"] == len(warm) and 0 < len(warm) <= 16  # SFT: data.sft_templates' questions (all by default), one packed example each
     assert summary["sft_examples"] == summary["n_sft"] - summary["sft_gold_failed"]
     assert summary["n_train"] == sum(t != "spouse" for t in train_templates) < 16  # RL: the two templates' only
     evaluated = {json.loads(x)["task_id"] for f in (out / "eval").glob("step_*.jsonl") for x in f.read_text().splitlines()}

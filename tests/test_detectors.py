@@ -54,6 +54,27 @@ def test_cliff_and_call_volume_fire_once_on_paper_b_shape():
     assert all(a.action == "warn" and a.on_rollback == {} for a in alerts)
 
 
+def test_call_volume_takes_no_reference_from_a_policy_stuck_at_the_turn_limit():
+    # The main job's seed 2 (thirtieth session): after SFT every dev episode called until the
+    # 4-turn limit and none answered (4.0 calls); RL taught 2 calls and an answer (2.0, EM 0.98).
+    # 2.0 ≤ 0.5 × 4.0, but 4.0 was the limit, not a volume the policy chose: no alert.
+    stuck = [{"step": 8, "eval/tools_per_question": 4.0, "eval/answered": 0.0},
+             {"step": 16, "eval/tools_per_question": 2.0, "eval/answered": 1.0}]
+    assert run(stuck) == []
+    # The same fall from a policy that answered (paper B's shape: it called, answered, then quit calling).
+    answered = [dict(line, **{"eval/answered": 1.0}) for line in stuck]
+    alerts = run(answered)
+    assert [(a.kind, a.step, a.evidence["reference_step"], a.evidence["ratio"]) for a in alerts] == [("call_volume", 16, 8, 0.5)]
+    # A log without eval/answered (older runs, envs without it): every level is a reference, as before.
+    assert [(a.kind, a.step) for a in run([{k: v for k, v in line.items() if k != "eval/answered"} for line in stuck])] == [("call_volume", 16)]
+    # Training series: the turn-limit share is 1 − rollout/truncated_share, smoothed like the calls
+    # (5-step median). Five steps at the limit (4 calls, all truncated), then 2 calls answered:
+    # the median level falls from 4.0 to 2.0 at step 7, with no reference taken before it.
+    train = [{"step": s, "tools/per_question": 4.0 if s < 5 else 2.0, "rollout/truncated_share": 1.0 if s < 5 else 0.0} for s in range(12)]
+    assert run(train) == []
+    assert [(a.kind, a.step) for a in run([dict(x, **{"rollout/truncated_share": 0.0}) for x in train])] == [("call_volume", 7)]
+
+
 def test_cliff_rearms_only_after_recovery_and_rollback_carries_overrides():
     cfg = DetectorConfig(cliff=CliffConfig(action="rollback", on_rollback={"grpo.kl_coef": "x5"}))
     ems = [0.3, 0.4, 0.05, 0.0, 0.0, 0.38, 0.4, 0.1]

@@ -235,6 +235,35 @@ def test_rl_templates_narrow_the_dev_set_and_the_rl_pool_not_the_sft_pool(tmp_pa
         task_builder.rl_pool(cfg, dev, "dev")
 
 
+def test_sft_templates_narrow_the_warm_start_and_nothing_else(tmp_path):
+    from keel import tasks as task_builder
+    from keel.config import load_config
+
+    cfg = load_config(None, ["data.kinds=[composition]", "data.templates=[birthplace_country,director_birthplace,spouse,director_nationality]",
+                             "data.rl_templates=[birthplace_country,director_birthplace]", "data.sft_templates=[spouse,director_nationality]",
+                             "data.n_train=40", "data.n_dev=12", "data.n_test=3"])
+    _, train, dev = task_builder.build(cfg, tmp_path)
+    assert len(train) == 40 and {t.meta["template"] for t in dev} == {"birthplace_country", "director_birthplace"}
+    sft, rl = task_builder.sft_pool(cfg, train), task_builder.rl_pool(cfg, train, "training")
+    assert [t.id for t in sft] == [t.id for t in train if t.meta["template"] in ("spouse", "director_nationality")]
+    assert [t.id for t in rl] == [t.id for t in train if t.meta["template"] in ("birthplace_country", "director_birthplace")]
+    assert len(sft) + len(rl) == 40 and sft and rl  # disjoint here: RL's templates are never in the warm-start
+    cfg.data.sft_templates = []
+    assert task_builder.sft_pool(cfg, train) == train
+    cfg.data.sft_templates = ["birth_country_capital"]  # a known template this dataset has no question of
+    with pytest.raises(task_builder.DataError, match=r"data.sft_templates \['birth_country_capital'\]: no training question"):
+        task_builder.sft_pool(cfg, train)
+
+
+def test_sft_templates_outside_data_templates_are_a_config_error():
+    from keel.config import load_config
+
+    with pytest.raises(ValueError, match=r"data.sft_templates: \['spouse'\] are not among data.templates"):
+        load_config(None, ["data.kinds=[composition]", "data.templates=[birthplace_country]", "data.sft_templates=[spouse]"])
+    with pytest.raises(ValueError, match=r"data.sft_templates selects knowledge-graph question templates; env.kind=fc_learn"):
+        load_config(None, ["env.kind=fc_learn", "data.kinds=[composition]", "data.sft_templates=[spouse]"])
+
+
 def test_rl_templates_outside_data_templates_are_a_config_error():
     from keel.config import load_config
 

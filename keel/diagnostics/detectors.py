@@ -24,12 +24,14 @@ from typing import Any
 from keel.config import DetectorConfig
 from keel.metrics import (
     COLLAPSE_FORMAT_DRIFT,
+    EVAL_ANSWERED,
     EVAL_EM,
     EVAL_TOOLS_PER_QUESTION,
     KL_CONTROL_SHARE,
     KL_TAG_PREFIX,
     LOSS_TRAINED_MEMBERS,
     REWARD_MEAN,
+    ROLLOUT_TRUNCATED,
     TOKENS_ENTROPY,
     TOOLS_PER_QUESTION,
 )
@@ -180,10 +182,16 @@ class Detectors:
     def _call_volume(self, step: int, values: dict[str, float]) -> list[Alert]:
         cfg = self.config.call_volume
         out = []
-        for key, smooth in ((EVAL_TOOLS_PER_QUESTION, 1), (TOOLS_PER_QUESTION, cfg.smooth)):
+        for key, smooth, ended in ((EVAL_TOOLS_PER_QUESTION, 1, EVAL_ANSWERED), (TOOLS_PER_QUESTION, cfg.smooth, ROLLOUT_TRUNCATED)):
             if key not in values:
                 continue
             raw = self._push("raw:" + key, step, values[key], smooth)
+            # A level where most episodes never answered (they called until the turn limit) shows
+            # the limit, not a volume the policy chose: it is compared, but kept as no reference.
+            answered = 1.0  # an env or a log without the share: every level counts
+            if ended in values:
+                share = values[ended] if ended == EVAL_ANSWERED else 1.0 - values[ended]
+                answered = statistics.median(v for _, v in self._push("answered:" + key, step, share, smooth))
             level = statistics.median(v for _, v in raw) if len(raw) >= smooth else None
             if level is None:
                 continue
@@ -193,7 +201,7 @@ class Detectors:
             if self._fire("call_volume:" + key, condition):
                 ref_step = next(s for s, v in levels if v == reference)
                 out.append(self._alert("call_volume", step, {"series": key, "value": level, "reference": reference, "reference_step": int(ref_step), "ratio": level / reference}))
-            self.series["level:" + key] = levels + [[float(step), level]]
+            self.series["level:" + key] = levels + ([[float(step), level]] if answered >= cfg.min_answered else [])
         return out
 
     def _entropy(self, step: int, x: float) -> list[Alert]:
