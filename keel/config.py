@@ -70,7 +70,7 @@ class DataConfig:
     kinds: list[str] = doc([], "synthetic: question kinds to generate, a subset of composition, conjunction, comparative, superlative (empty: all four)")
     max_hops: int = doc(0, "synthetic: skip questions whose gold needs more tool turns (hops) than this; 0: no limit")
     templates: list[str] = doc([], "synthetic: question templates to keep (keel.config.QUESTION_TEMPLATES, e.g. director_birthplace), within data.kinds; empty: all of them")
-    rl_templates: list[str] = doc([], "templates RL trains on and the dev evaluations report, a subset of data.templates (by the tasks' meta 'template'); the SFT warm-start still sees every training question. Empty: all of them")
+    rl_templates: list[str] = doc([], "templates RL trains on and the dev evaluations report, a subset of data.templates (by the tasks' meta 'template'); the SFT warm-start sees every training question unless data.sft_templates narrows it. Empty: all of them")
     sft_templates: list[str] = doc([], "templates the SFT warm-start trains on, a subset of data.templates (by the tasks' meta 'template'): with data.rl_templates outside it, RL learns compositions SFT never showed. Empty: every training question")
     nationality_from_birth: float = doc(0.8, "synthetic: share of people whose nationality is their birth city's country (the rest: a random country); at 0.8 nationality is a one-hop shortcut for birth-country questions (GRPO was seen taking it); 0: independent")
     dir: str = doc("", "source=dir: a dataset directory with kb.tsv and train/dev/test.jsonl (from `keel data kg-synth`)")
