@@ -710,13 +710,20 @@ def check_chat_format(cfg: Config) -> None:
                               "use model.chat_format=hermes or turn it off")
 
 
+def _template_subset_checks(cfg: Config, key: str, known: set[str]) -> list[tuple[bool, str]]:
+    """data.<key> (rl_templates, sft_templates) names templates among data.templates (all the
+    known ones when that is empty), and only on the KG env, which has templates."""
+    chosen = getattr(cfg.data, key)
+    outside = sorted(set(chosen) - (set(cfg.data.templates) or known))
+    return [(not outside, f"data.{key}: {outside} are not among data.templates {cfg.data.templates or sorted(known)}"),
+            (not chosen or cfg.env.kind == "kg", f"data.{key} selects knowledge-graph question templates; env.kind={cfg.env.kind} has none")]
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks that a type check cannot do; each error names the key."""
     kinds = cfg.data.kinds or list(QUESTION_KINDS)
     known = {t for k in kinds for t in QUESTION_TEMPLATES.get(k, ())}
     unknown_templates = sorted(set(cfg.data.templates) - known)
-    outside_rl = sorted(set(cfg.data.rl_templates) - (set(cfg.data.templates) or known))
-    outside_sft = sorted(set(cfg.data.sft_templates) - (set(cfg.data.templates) or known))
     checks = [
         (cfg.rollout.group_size >= 1, "rollout.group_size must be ≥ 1"),
         (cfg.rollout.prompts_per_step >= 1, "rollout.prompts_per_step must be ≥ 1"),
@@ -738,10 +745,8 @@ def validate(cfg: Config) -> None:
         (cfg.env.call_timeout_s > 0, "env.call_timeout_s must be > 0"),
         (set(cfg.data.kinds) <= set(QUESTION_KINDS), f"data.kinds must be a subset of {', '.join(QUESTION_KINDS)}, got {cfg.data.kinds!r}"),
         (not unknown_templates, f"data.templates: {unknown_templates} are not templates of data.kinds {kinds} (keel.config.QUESTION_TEMPLATES)"),
-        (not outside_rl, f"data.rl_templates: {outside_rl} are not among data.templates {cfg.data.templates or sorted(known)}"),
-        (not cfg.data.rl_templates or cfg.env.kind == "kg", f"data.rl_templates selects knowledge-graph question templates; env.kind={cfg.env.kind} has none"),
-        (not outside_sft, f"data.sft_templates: {outside_sft} are not among data.templates {cfg.data.templates or sorted(known)}"),
-        (not cfg.data.sft_templates or cfg.env.kind == "kg", f"data.sft_templates selects knowledge-graph question templates; env.kind={cfg.env.kind} has none"),
+        *_template_subset_checks(cfg, "rl_templates", known),
+        *_template_subset_checks(cfg, "sft_templates", known),
         (cfg.env.call_format in CALL_FORMATS, f"env.call_format must be one of {', '.join(CALL_FORMATS)}, got {cfg.env.call_format!r}"),
         (cfg.env.call_format == "json" or cfg.env.kind == "fc_learn", f"env.call_format={cfg.env.call_format} is for env.kind=fc_learn; env.kind={cfg.env.kind} writes calls as Hermes JSON"),
         (not cfg.data.fc_train_classes or cfg.env.kind == "fc_learn", f"data.fc_train_classes selects fc_learn's API classes; env.kind={cfg.env.kind} has none"),

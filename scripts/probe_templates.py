@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import tempfile
 from pathlib import Path
 
 import torch
@@ -39,7 +38,7 @@ def main() -> None:
     cfg = load_config(str(args.run_dir / "config.yaml"), [])
     model, tok = load_model(str(ckpt), dtype="bfloat16")
     model.eval()
-    env, train, _ = task_builder.build(cfg, Path(tempfile.mkdtemp()))
+    env, train, _ = task_builder.build(cfg)  # no run directory: the tasks in memory, nothing written
     pool = task_builder.rl_pool(cfg, train, "training")
     for template in sorted({t.meta["template"] for t in pool}):
         tasks = [t for t in pool if t.meta["template"] == template][: args.questions]
