@@ -23,8 +23,8 @@ Variants (each dtype against `generate` in the same dtype):
 Then the limit, measured in the same run: (a) this machine's memory bandwidth (a plain copy of
 a 256 MB tensor: bytes read + written per second), (b) the model's linear layers alone at the
 bench's batch and each dtype — every weight matrix once, LM head included, one row per batch
-element, each weight laid out as Keel's decode step lays it out (`keel.decode.laid_out`: bf16
-weights in oneDNN's blocked format where its bf16 kernels exist) — the floor any decode engine
+element, each weight laid out as Keel's decode step lays it out (`keel.decode.laid_out`: the
+weights in oneDNN's blocked format, bf16 where its bf16 kernels exist, fp32 from 4 rows) — the floor any decode engine
 built on these GEMM kernels has per step, with the time the weights alone take to stream at (a), and (c) Keel's decode step (rollout time minus
 prefill, per new token), as ratios to (b).
 Ends with `speedup_vs_generate=<ratio>` (shipped engine vs generate, both fp32).

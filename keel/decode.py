@@ -6,7 +6,8 @@ transformers' forward spends most of a CPU decode step outside its matrix multip
 rotary construction for every call, dtype round trips in RMSNorm, and seven GEMMs per layer
 where four do the same work. `LeanDecoder.step` computes the same function with
 - q, k and v projections as one GEMM, gate and up as one (weights concatenated once per rollout);
-- bf16 weights laid out once per rollout in oneDNN's blocked format (`laid_out`), not on every call;
+- weights laid out once per rollout in oneDNN's blocked format (`laid_out`; bf16 where oneDNN has
+  bf16 kernels, fp32 for products of 4 rows or more), not on every call;
 - rotary cos/sin computed once per step for all layers, from the rows' positions;
 - keys and values appended in place to the rollout's growing cache (`cache.layers[i].update`);
 - everything between the GEMMs in one of two implementations with the same interface:
@@ -54,36 +55,54 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _Packed:
-    """x ↦ x @ weight.T with a bf16 weight [out, in] laid out once in oneDNN's blocked format for
-    its matrix-multiply kernels. `x @ weight.T` on a plain tensor lays the weight out again on
-    every call: at decode shapes (batch 16) the packed GEMM takes half the time (SmolLM2's q/k/v
+    """x ↦ x @ weight.T with the weight [out, in] laid out once in oneDNN's blocked format for its
+    matrix-multiply kernels. bf16: `x @ weight.T` on a plain tensor lays the weight out again on
+    every call; at decode shapes (batch 16) the packed GEMM takes half the time (SmolLM2's q/k/v
     block: 37 vs 79 µs on an AMX Xeon) and gives the same values bit for bit
-    (tests/test_decode.py). Called directly: `x @ packed` through `__rmatmul__` cost 18 µs a
-    call more (torch's operator tries the tensor product first)."""
+    (tests/test_decode.py). fp32: a plain product is MKL's sgemm, which at 4-32 rows is slower
+    than oneDNN's kernels on the packed weight (batch 16 on the AMX Xeon: gate/up 481 → 312 µs,
+    down 293 → 175, the LM head 9.7 → 6.2 ms; LOG.md, thirty-first session) and faster below 4
+    rows (batch 1: gate/up 137 vs 182 µs), so the plain weight is kept for products of fewer rows
+    (`FP32_PACKED_MIN_ROWS`); the two sum in different orders (values within ~1e-6 of each other).
+    Called directly: `x @ packed` through `__rmatmul__` cost 18 µs a call more (torch's operator
+    tries the tensor product first)."""
 
-    __slots__ = ("packed",)
+    __slots__ = ("packed", "plain")
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        self.plain = weight.T if weight.dtype == torch.float32 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.shape[0] < FP32_PACKED_MIN_ROWS:
+            return x @ self.plain
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+FP32_PACKED_MIN_ROWS = 4  # fp32 products of fewer rows keep MKL's sgemm on the plain weight (see _Packed)
+
+
+@functools.cache
+def _onednn_linear() -> bool:
+    """Whether torch has oneDNN and the ops that lay weights out for it."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 @functools.cache
 def _onednn_bf16() -> bool:
-    """Whether this process's oneDNN has bf16 kernels and torch the ops that lay weights out."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    """Whether this process's oneDNN also has bf16 kernels."""
+    return _onednn_linear() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _packs(weight: torch.Tensor) -> bool:
-    """Whether `_Packed` serves this weight: bf16 on a CPU whose oneDNN has bf16 kernels."""
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _onednn_bf16()
+    """Whether `_Packed` serves this weight: a CPU weight in fp32, or in bf16 where oneDNN has bf16 kernels."""
+    if weight.device.type != "cpu":
+        return False
+    return _onednn_bf16() if weight.dtype == torch.bfloat16 else weight.dtype == torch.float32 and _onednn_linear()
 
 
 def laid_out(weight: torch.Tensor):
-    """The decode step's product by `weight`: a function x ↦ x @ weight.T."""
+    """The decode step's product by `weight`: a function x ↦ x @ weight.T for x [rows, in]."""
     if _packs(weight):
         return _Packed(weight)
     transposed = weight.T

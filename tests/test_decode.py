@@ -85,6 +85,23 @@ def test_other_layouts_keep_transformers_forward():
     assert LeanDecoder.build(torch.nn.Linear(2, 2)) is None
 
 
+def test_fp32_products_switch_to_the_packed_weight_from_four_rows():
+    """fp32: below `FP32_PACKED_MIN_ROWS` rows the product is MKL's on the plain weight (bit for
+    bit `x @ w.T`), from there oneDNN's on the laid-out weight (the same values within fp32
+    summation-order error)."""
+    if not decode._onednn_linear():
+        pytest.skip("this torch has no oneDNN linear ops")
+    w = torch.randn(192, 576, generator=torch.Generator().manual_seed(0))  # SmolLM2's width: on the AMX Xeon the two kernels' sums differ at every row count here
+    product = decode.laid_out(w)
+    assert isinstance(product, decode._Packed)
+    for rows in (1, 3, 4, 16):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+        got, plain = product(x), x @ w.T
+        onednn = torch.ops.mkldnn._linear_pointwise(x, product.packed, None, "none", [], "")
+        assert torch.equal(got, plain if rows < decode.FP32_PACKED_MIN_ROWS else onednn), rows
+        assert (got - plain).abs().max().item() <= 1e-5 * plain.abs().max().item()
+
+
 def test_packed_bf16_weights_give_the_same_episodes_bit_for_bit(tiny, monkeypatch):
     """bf16 sampler: the decode step's weights laid out once for oneDNN (`_Packed`) vs multiplied
     as plain tensors — the same token ids and the same log-probs, to the last bit."""
