@@ -24,7 +24,7 @@ Then the limit, measured in the same run: (a) this machine's memory bandwidth (a
 a 256 MB tensor: bytes read + written per second), (b) the model's linear layers alone at the
 bench's batch and each dtype — every weight matrix once, LM head included, one row per batch
 element, each weight laid out as Keel's decode step lays it out (`keel.decode.laid_out`: the
-weights in oneDNN's blocked format, bf16 where its bf16 kernels exist, fp32 from 4 rows) — the floor any decode engine
+weights in oneDNN's blocked format, bf16 where its bf16 kernels exist, fp32 at batch 4 or more) — the floor any decode engine
 built on these GEMM kernels has per step, with the time the weights alone take to stream at (a), and (c) Keel's decode step (rollout time minus
 prefill, per new token), as ratios to (b).
 Ends with `speedup_vs_generate=<ratio>` (shipped engine vs generate, both fp32).
@@ -118,7 +118,7 @@ def linears_only_s(model, batch: int, reps: int = 7) -> tuple[float, int]:
 
     weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
-    laid = [(inputs[w.shape[1]], laid_out(w)) for w in weights]  # as Keel's decode step multiplies by them
+    laid = [(inputs[w.shape[1]], laid_out(w, batch)) for w in weights]  # as Keel's decode step multiplies by them
     times = []
     with torch.no_grad():
         for rep in range(reps + 1):

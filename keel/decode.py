@@ -7,7 +7,7 @@ rotary construction for every call, dtype round trips in RMSNorm, and seven GEMM
 where four do the same work. `LeanDecoder.step` computes the same function with
 - q, k and v projections as one GEMM, gate and up as one (weights concatenated once per rollout);
 - weights laid out once per rollout in oneDNN's blocked format (`laid_out`; bf16 where oneDNN has
-  bf16 kernels, fp32 for products of 4 rows or more), not on every call;
+  bf16 kernels, fp32 for a batch of 4 rows or more), not on every call;
 - rotary cos/sin computed once per step for all layers, from the rows' positions;
 - keys and values appended in place to the rollout's growing cache (`cache.layers[i].update`);
 - everything between the GEMMs in one of two implementations with the same interface:
@@ -61,25 +61,22 @@ class _Packed:
     block: 37 vs 79 µs on an AMX Xeon) and gives the same values bit for bit
     (tests/test_decode.py). fp32: a plain product is MKL's sgemm, which at 4-32 rows is slower
     than oneDNN's kernels on the packed weight (batch 16 on the AMX Xeon: gate/up 481 → 312 µs,
-    down 293 → 175, the LM head 9.7 → 6.2 ms; LOG.md, thirty-first session) and faster below 4
-    rows (batch 1: gate/up 137 vs 182 µs), so the plain weight is kept for products of fewer rows
-    (`FP32_PACKED_MIN_ROWS`); the two sum in different orders (values within ~1e-6 of each other).
-    Called directly: `x @ packed` through `__rmatmul__` cost 18 µs a call more (torch's operator
-    tries the tensor product first)."""
+    down 293 → 175, the LM head 9.7 → 6.2 ms; LOG.md, thirty-first session) and faster at 1-2
+    rows (batch 1: gate/up 137 vs 182 µs): fp32 weights are laid out for a decode batch of
+    `FP32_PACKED_MIN_ROWS` rows or more (`laid_out`'s `rows`); the two kernels sum in different
+    orders (values within ~1e-6 of each other). Called directly: `x @ packed` through
+    `__rmatmul__` cost 18 µs a call more (torch's operator tries the tensor product first)."""
 
-    __slots__ = ("packed", "plain")
+    __slots__ = ("packed",)
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-        self.plain = weight.T if weight.dtype == torch.float32 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.shape[0] < FP32_PACKED_MIN_ROWS:
-            return x @ self.plain
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
-FP32_PACKED_MIN_ROWS = 4  # fp32 products of fewer rows keep MKL's sgemm on the plain weight (see _Packed)
+FP32_PACKED_MIN_ROWS = 4  # decode batches of fewer rows keep fp32 weights plain: MKL's sgemm (see _Packed)
 
 
 @functools.cache
@@ -94,16 +91,20 @@ def _onednn_bf16() -> bool:
     return _onednn_linear() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _packs(weight: torch.Tensor) -> bool:
-    """Whether `_Packed` serves this weight: a CPU weight in fp32, or in bf16 where oneDNN has bf16 kernels."""
+def _packs(weight: torch.Tensor, rows: int = FP32_PACKED_MIN_ROWS) -> bool:
+    """Whether `_Packed` serves this weight for products of about `rows` rows: a CPU weight in
+    bf16 where oneDNN has bf16 kernels, or in fp32 from `FP32_PACKED_MIN_ROWS` rows."""
     if weight.device.type != "cpu":
         return False
-    return _onednn_bf16() if weight.dtype == torch.bfloat16 else weight.dtype == torch.float32 and _onednn_linear()
+    if weight.dtype == torch.bfloat16:
+        return _onednn_bf16()
+    return weight.dtype == torch.float32 and rows >= FP32_PACKED_MIN_ROWS and _onednn_linear()
 
 
-def laid_out(weight: torch.Tensor):
-    """The decode step's product by `weight`: a function x ↦ x @ weight.T for x [rows, in]."""
-    if _packs(weight):
+def laid_out(weight: torch.Tensor, rows: int = FP32_PACKED_MIN_ROWS):
+    """The decode step's product by `weight`: a function x ↦ x @ weight.T for x [n, in], laid out
+    for a batch of `rows` rows (the decode step's; blocks have more)."""
+    if _packs(weight, rows):
         return _Packed(weight)
     transposed = weight.T
     return transposed.__rmatmul__  # x ↦ x @ transposed
@@ -259,12 +260,12 @@ class _NativeOps:
 class _Layer:
     __slots__ = ("wqkv", "wo", "wgu", "wdown", "ln1", "ln2")
 
-    def __init__(self, layer):
+    def __init__(self, layer, rows: int):
         a, m = layer.self_attn, layer.mlp
-        self.wqkv = laid_out(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach())
-        self.wo = laid_out(a.o_proj.weight.detach())
-        self.wgu = laid_out(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach())
-        self.wdown = laid_out(m.down_proj.weight.detach())
+        self.wqkv = laid_out(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(), rows)
+        self.wo = laid_out(a.o_proj.weight.detach(), rows)
+        self.wgu = laid_out(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), rows)
+        self.wdown = laid_out(m.down_proj.weight.detach(), rows)
         self.ln1 = layer.input_layernorm.weight.detach()
         self.ln2 = layer.post_attention_layernorm.weight.detach()
 
@@ -274,9 +275,11 @@ class LeanDecoder:
 
     The concatenated and laid-out weights are copies: build a new decoder after the weights
     change (the rollout builds one per call: 0.09 s for SmolLM2 in bf16 with the layout, 0.01 s
-    without, on the AMX Xeon of LOG.md's twenty-fifth session)."""
+    without, on the AMX Xeon of LOG.md's twenty-fifth session; 0.2 s in fp32 with the layout,
+    thirty-first session). `rows`: the rollout's batch, which decides whether fp32 weights are
+    laid out (`laid_out`)."""
 
-    def __init__(self, model):
+    def __init__(self, model, rows: int = FP32_PACKED_MIN_ROWS):
         c = model.config
         inner = model.model
         self.heads, self.kv_heads = c.num_attention_heads, c.num_key_value_heads
@@ -286,18 +289,18 @@ class LeanDecoder:
         self.scale = self.head_dim**-0.5
         self.embed = inner.embed_tokens.weight.detach()
         self.norm = inner.norm.weight.detach()
-        self.lm_head = laid_out(model.lm_head.weight.detach())
+        self.lm_head = laid_out(model.lm_head.weight.detach(), rows)
         rotary = inner.rotary_emb
         self.inv_freq = rotary.inv_freq.float()
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
         with torch.no_grad():
-            self.layers = [_Layer(layer) for layer in inner.layers]
+            self.layers = [_Layer(layer, rows) for layer in inner.layers]
         lib = native.ops() if _NativeOps.serves(self) else None
         self.ops = _NativeOps(lib, self.eps, self.embed.dtype) if lib is not None else _TorchOps(self.eps)
 
     @staticmethod
-    def build(model) -> "LeanDecoder | None":
-        """The decoder for `model`, or None when its layout is not the plain Llama one."""
+    def build(model, rows: int = FP32_PACKED_MIN_ROWS) -> "LeanDecoder | None":
+        """The decoder for `model` and a batch of `rows` rows, or None when its layout is not the plain Llama one."""
         c = getattr(model, "config", None)
         if c is None or type(model).__name__ != "LlamaForCausalLM":
             return None
@@ -305,7 +308,7 @@ class LeanDecoder:
         if (getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False) or getattr(c, "hidden_act", "silu") != "silu"
                 or rope.get("rope_type", "default") != "default" or getattr(c, "pretraining_tp", 1) != 1):
             return None
-        return LeanDecoder(model)
+        return LeanDecoder(model, rows)
 
     def _rotary_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, D] in `dtype` for positions [N], as transformers' rotary embedding computes them."""

@@ -445,7 +445,7 @@ def rollout(
     attention = contextlib.ExitStack()
     try:
         attention.enter_context(_cascade_attention(model, device.type == "cpu"))
-        decoder = LeanDecoder.build(model) if lean else None  # copies of this rollout's weights
+        decoder = LeanDecoder.build(model, len(rows)) if lean else None  # copies of this rollout's weights
         logits, cache, attn = _prefill(model, [r.ids for r in rows], device, decoder)
         prefill_s = time.perf_counter() - t0  # the decoder's weight layout included
         prefix = getattr(cache.layers[0], "prefix", None)

@@ -85,21 +85,25 @@ def test_other_layouts_keep_transformers_forward():
     assert LeanDecoder.build(torch.nn.Linear(2, 2)) is None
 
 
-def test_fp32_products_switch_to_the_packed_weight_from_four_rows():
-    """fp32: below `FP32_PACKED_MIN_ROWS` rows the product is MKL's on the plain weight (bit for
-    bit `x @ w.T`), from there oneDNN's on the laid-out weight (the same values within fp32
-    summation-order error)."""
+def test_fp32_weights_are_laid_out_for_batches_of_four_rows_or_more(tiny):
+    """fp32: for a batch of `FP32_PACKED_MIN_ROWS` rows or more the product is oneDNN's on the
+    laid-out weight, below that MKL's on the plain weight (bit for bit `x @ w.T`); the two agree
+    within fp32 summation-order error, and the decoder lays its weights out by the batch it is
+    built for."""
     if not decode._onednn_linear():
         pytest.skip("this torch has no oneDNN linear ops")
     w = torch.randn(192, 576, generator=torch.Generator().manual_seed(0))  # SmolLM2's width: on the AMX Xeon the two kernels' sums differ at every row count here
-    product = decode.laid_out(w)
-    assert isinstance(product, decode._Packed)
+    small, large = decode.laid_out(w, rows=decode.FP32_PACKED_MIN_ROWS - 1), decode.laid_out(w, rows=decode.FP32_PACKED_MIN_ROWS)
+    assert isinstance(large, decode._Packed) and not isinstance(small, decode._Packed)
     for rows in (1, 3, 4, 16):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
-        got, plain = product(x), x @ w.T
-        onednn = torch.ops.mkldnn._linear_pointwise(x, product.packed, None, "none", [], "")
-        assert torch.equal(got, plain if rows < decode.FP32_PACKED_MIN_ROWS else onednn), rows
-        assert (got - plain).abs().max().item() <= 1e-5 * plain.abs().max().item()
+        plain = x @ w.T
+        assert torch.equal(small(x), plain), rows
+        assert torch.equal(large(x), torch.ops.mkldnn._linear_pointwise(x, large.packed, None, "none", [], "")), rows
+        assert (large(x) - plain).abs().max().item() <= 1e-5 * plain.abs().max().item()
+    model, _ = tiny
+    assert isinstance(LeanDecoder.build(model, rows=6).lm_head, decode._Packed)
+    assert not isinstance(LeanDecoder.build(model, rows=2).lm_head, decode._Packed)
 
 
 def test_packed_bf16_weights_give_the_same_episodes_bit_for_bit(tiny, monkeypatch):
@@ -112,7 +116,7 @@ def test_packed_bf16_weights_give_the_same_episodes_bit_for_bit(tiny, monkeypatc
     bf16 = (copy.deepcopy(model).to(torch.bfloat16).eval(), tok)
     assert isinstance(LeanDecoder(bf16[0]).lm_head, decode._Packed)
     packed = _episodes(bf16, lean=True, temperature=0.7)
-    monkeypatch.setattr(decode, "_packs", lambda weight: False)
+    monkeypatch.setattr(decode, "_packs", lambda weight, rows: False)
     plain = _episodes(bf16, lean=True, temperature=0.7)
     assert [t.token_ids for t in packed] == [t.token_ids for t in plain]
     assert [t.logprobs for t in packed] == [t.logprobs for t in plain]
