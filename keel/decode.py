@@ -330,9 +330,14 @@ class LeanDecoder:
         the shared prefix and the rows' own keys (one SDPA call without a prefix)."""
         B, W = tokens.shape
         H, KV, D = self.heads, self.kv_heads, self.head_dim
-        h = F.embedding(tokens.reshape(-1), self.embed)  # [B·W, hidden]
+        # only the block's real tokens go through the GEMMs and element-wise work (ragged blocks
+        # are a third padding); the attention runs on the full [B, W] layout, hidden columns'
+        # queries, keys and values zero (their keys are never visible: the mask hides them)
+        real = attn[:, -W:].reshape(-1).bool()  # [B·W]
+        index = real.nonzero().squeeze(1)  # [N]
+        h = F.embedding(tokens.reshape(-1).index_select(0, index), self.embed)  # [N, hidden]
         dtype = h.dtype
-        cos, sin = self._rotary_tables(positions.reshape(-1), dtype)
+        cos, sin = self._rotary_tables(positions.reshape(-1).index_select(0, index), dtype)
         prefix = getattr(cache.layers[0], "prefix", None)
         P = prefix[0].shape[-2] if prefix is not None else 0
         own = attn[:, P:].bool()  # [B, N]: the rows' cached columns, then the block's W
@@ -341,14 +346,21 @@ class LeanDecoder:
         mask = own[:, None, None, :] & causal[None, None]  # [B, 1, W, N]
         prepared = cascade._rows_mask(mask, H // KV, dtype) if prefix is not None else mask
 
-        def attend(i, q, k, v):  # q, k, v [B·W, heads, D] → [B·W, H·D]
-            layer = cache.layers[i]
-            keys, values = layer.update(k.view(B, W, KV, D).transpose(1, 2), v.view(B, W, KV, D).transpose(1, 2))
-            out = _attention(q.view(B, W, H, D).transpose(1, 2), layer, keys, values, prepared, self.scale)  # [B, H, W, D]
-            return out.transpose(1, 2).reshape(B * W, H * D)
+        def full(x):  # [N, heads, D] → [B, heads, W, D], hidden columns zero
+            out = x.new_zeros(B * W, x.shape[1], D)
+            out[index] = x
+            return out.view(B, W, x.shape[1], D).transpose(1, 2)
 
-        x = self._layers(h, cos, sin, attend)
-        return self.lm_head(x.view(B, W, -1)[:, -1].contiguous()).float()
+        def attend(i, q, k, v):  # q, k, v [N, heads, D] → [N, H·D]
+            layer = cache.layers[i]
+            keys, values = layer.update(full(k), full(v))
+            out = _attention(full(q), layer, keys, values, prepared, self.scale)  # [B, H, W, D]
+            return out.transpose(1, 2).reshape(B * W, H * D).index_select(0, index)
+
+        x = self._layers(h, cos, sin, attend)  # [N, hidden]
+        last = x.new_zeros(B * W, x.shape[1])
+        last[index] = x
+        return self.lm_head(last.view(B, W, -1)[:, -1].contiguous()).float()
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
