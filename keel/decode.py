@@ -25,10 +25,13 @@ where four do the same work. `LeanDecoder.step` computes the same function with
   session) to 25.8–29.0 and 63.2–66.0 ms.
 
 `LeanDecoder.block` runs the same layer loop over W new tokens per row (keel.rollout's
-tool-response blocks and the prompts' remainders after the shared prefix): the element-wise
-kernels over all B·W rows, keel.cascade's split attention with the block's causal mask. On a
-main-job-shaped rollout (32 rows, blocks of ~39 tokens, bf16) a block took 0.60–0.69 s against
-0.64–1.00 s through transformers' forward (LOG.md, twenty-ninth session). Only the shared
+tool-response blocks and the prompts' remainders after the shared prefix): the GEMMs and
+element-wise kernels over the block's real tokens only (ragged blocks are 27–38% padding), and
+keel.cascade's split attention with the block's causal mask over the full [B, W] layout, hidden
+columns zero. On a main-job-shaped rollout (32 rows, blocks of ~39 tokens, bf16) a block took
+0.60–0.69 s against 0.64–1.00 s through transformers' forward (LOG.md, twenty-ninth session);
+skipping the padding took a rollout's blocks 1.30–1.50 → 1.24–1.38 s, and the sampler bench's
+fp32 prefill block 1.10–1.24 → 0.87–0.90 s (thirty-first session). Only the shared
 prefix's encoding (one row) still runs transformers' forward. `tests/test_decode.py` checks the torch
 ops' logits against transformers' forward on the same cache (fp32, with and without a shared
 prefix: the same episodes token for token); `tests/test_native.py` checks each kernel against the
