@@ -349,21 +349,19 @@ class LeanDecoder:
         mask = own[:, None, None, :] & causal[None, None]  # [B, 1, W, N]
         prepared = cascade._rows_mask(mask, H // KV, dtype) if prefix is not None else mask
 
-        def full(x):  # [N, heads, D] → [B, heads, W, D], hidden columns zero
-            out = x.new_zeros(B * W, x.shape[1], D)
+        def spread(x):  # [N, ...] → [B, W, ...]: the real positions' rows in place, hidden ones zero
+            out = x.new_zeros(B * W, *x.shape[1:])
             out[index] = x
-            return out.view(B, W, x.shape[1], D).transpose(1, 2)
+            return out.view(B, W, *x.shape[1:])
 
         def attend(i, q, k, v):  # q, k, v [N, heads, D] → [N, H·D]
             layer = cache.layers[i]
-            keys, values = layer.update(full(k), full(v))
-            out = _attention(full(q), layer, keys, values, prepared, self.scale)  # [B, H, W, D]
+            keys, values = layer.update(spread(k).transpose(1, 2), spread(v).transpose(1, 2))
+            out = _attention(spread(q).transpose(1, 2), layer, keys, values, prepared, self.scale)  # [B, H, W, D]
             return out.transpose(1, 2).reshape(B * W, H * D).index_select(0, index)
 
         x = self._layers(h, cos, sin, attend)  # [N, hidden]
-        last = x.new_zeros(B * W, x.shape[1])
-        last[index] = x
-        return self.lm_head(last.view(B, W, -1)[:, -1].contiguous()).float()
+        return self.lm_head(spread(x)[:, -1].contiguous()).float()
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
