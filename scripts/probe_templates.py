@@ -1,10 +1,10 @@
 """Sample a checkpoint on training questions of each RL template and count which call sequences
 earn the reward: does the policy ever sample what GRPO would have to reinforce?
 
-    python scripts/probe_templates.py RUN_DIR [--questions 8] [--samples 8] [--turns 4]
+    python scripts/probe_templates.py RUN_DIR [--questions 8] [--samples 8] [--turns 4] [--temperature T]
 
 RUN_DIR is a run directory with checkpoints/reference (the post-SFT policy) and config.yaml; the
-run's own data settings rebuild its tasks. Samples at the run's rollout.temperature in bf16, the
+run's own data settings rebuild its tasks. Samples at the run's rollout.temperature (or --temperature) in bf16, the
 reward is r_binary; prints, per template, the successes and the most frequent relation sequences.
 """
 
@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8, help="samples per question")
     ap.add_argument("--turns", type=int, default=4, help="assistant turns per episode")
     ap.add_argument("--checkpoint", default="reference", help="checkpoint under RUN_DIR/checkpoints")
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the run's rollout.temperature)")
     args = ap.parse_args()
     ckpt = args.run_dir / "checkpoints" / args.checkpoint
     if not (args.run_dir / "config.yaml").is_file() or not ckpt.is_dir():
@@ -43,7 +44,7 @@ def main() -> None:
     for template in sorted({t.meta["template"] for t in pool}):
         tasks = [t for t in pool if t.meta["template"] == template][: args.questions]
         tasks = [t for t in tasks for _ in range(args.samples)]
-        params = SamplingParams(temperature=cfg.rollout.temperature, max_turns=args.turns, max_new_tokens=cfg.rollout.max_new_tokens)
+        params = SamplingParams(temperature=cfg.rollout.temperature if args.temperature is None else args.temperature, max_turns=args.turns, max_new_tokens=cfg.rollout.max_new_tokens)
         trajs = rollout(model, tok, env, tasks, params, generator=torch.Generator().manual_seed(cfg.run.seed))
         seen, right = collections.Counter(), collections.Counter()
         for traj, task in zip(trajs, tasks):
