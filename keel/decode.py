@@ -336,8 +336,7 @@ class LeanDecoder:
         # only the block's real tokens go through the GEMMs and element-wise work (ragged blocks
         # are a third padding); the attention runs on the full [B, W] layout, hidden columns'
         # queries, keys and values zero (their keys are never visible: the mask hides them)
-        real = attn[:, -W:].reshape(-1).bool()  # [B·W]
-        index = real.nonzero().squeeze(1)  # [N]
+        index = attn[:, -W:].reshape(-1).nonzero().squeeze(1)  # [N]: the real positions of the [B·W] rows
         h = F.embedding(tokens.reshape(-1).index_select(0, index), self.embed)  # [N, hidden]
         dtype = h.dtype
         cos, sin = self._rotary_tables(positions.reshape(-1).index_select(0, index), dtype)

@@ -4,8 +4,9 @@ earn the reward: does the policy ever sample what GRPO would have to reinforce?
     python scripts/probe_templates.py RUN_DIR [--questions 8] [--samples 8] [--turns 4] [--temperature T]
 
 RUN_DIR is a run directory with checkpoints/reference (the post-SFT policy) and config.yaml; the
-run's own data settings rebuild its tasks. Samples at the run's rollout.temperature (or --temperature) in bf16, the
-reward is r_binary; prints, per template, the successes and the most frequent relation sequences.
+run's own data settings rebuild its tasks. Samples at the run's rollout.temperature (or
+--temperature) in bf16, the reward is r_binary; prints, per template, the successes and the most
+frequent relation sequences.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ def main() -> None:
     model.eval()
     env, train, _ = task_builder.build(cfg)  # no run directory: the tasks in memory, nothing written
     pool = task_builder.rl_pool(cfg, train, "training")
+    temperature = cfg.rollout.temperature if args.temperature is None else args.temperature
+    params = SamplingParams(temperature=temperature, max_turns=args.turns, max_new_tokens=cfg.rollout.max_new_tokens)
     for template in sorted({t.meta["template"] for t in pool}):
         tasks = [t for t in pool if t.meta["template"] == template][: args.questions]
         tasks = [t for t in tasks for _ in range(args.samples)]
-        params = SamplingParams(temperature=cfg.rollout.temperature if args.temperature is None else args.temperature, max_turns=args.turns, max_new_tokens=cfg.rollout.max_new_tokens)
         trajs = rollout(model, tok, env, tasks, params, generator=torch.Generator().manual_seed(cfg.run.seed))
         seen, right = collections.Counter(), collections.Counter()
         for traj, task in zip(trajs, tasks):
