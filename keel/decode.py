@@ -14,8 +14,9 @@ where four do the same work. `LeanDecoder.step` computes the same function with
   `_NativeOps`, where keel.native could build its C kernels (keel/decode_ops.c) and the model's
   shapes fit them: the residual add with the next RMSNorm, rotary on q and k, SwiGLU and the whole
   attention over [shared prefix ‖ the row's own keys] (scores, masked softmax, weighted sum in
-  fp32) as one call each — in bf16 on a CPU with AMX (`native.amx`), the shared prefix's part of
-  the attention as two tile matrix products over all rows at once; else `_TorchOps`: RMSNorm as
+  fp32) as one call each — in bf16 on a CPU with AMX or AVX512-BF16 (`native.bf16_kernels`), the
+  shared prefix's part of the attention as two bf16 products with fp32 sums (AMX: tile matrix
+  products over all rows at once); else `_TorchOps`: RMSNorm as
   transformers computes it, rotary on q and k in one set of element-wise ops, SwiGLU, and
   keel.cascade's split attention (or one SDPA call without a shared prefix), masks prepared once
   per step for all layers.
@@ -171,10 +172,24 @@ class _NativeOps:
     roundings in fp32 or bf16; contiguous CPU tensors only. The residual stream h is updated in
     place (the step owns it: the embedding lookup's fresh output)."""
 
-    def __init__(self, lib, eps: float, dtype: torch.dtype, amx: bool = True):
+    KERNELS = ("fp32", "amx", "dpbf16")  # the attention's ways with the shared prefix (`kernel`)
+
+    def __init__(self, lib, eps: float, dtype: torch.dtype, kernel: str | None = None):
+        """`kernel`: how the attention reads the shared prefix. "fp32": keel_decode_attention (the
+        prefix in fp32, the only one for fp32 models); "amx", "dpbf16": bf16 models only, the
+        prefix in bf16 with fp32 sums, on AMX tiles or AVX512-BF16 dot products (native.bf16_kernels
+        says which this CPU has). None: the fastest this CPU and dtype have."""
         self.lib, self.eps, self.bf16 = lib, eps, int(dtype == torch.bfloat16)
-        # bf16 where native.amx says the tiles can be used (and `amx` allows): the attention's AMX kernel
-        self.amx = bool(self.bf16) and amx and native.amx(lib)
+        possible = ["fp32"] + (native.bf16_kernels(lib) if self.bf16 else [])
+        if kernel is None:
+            kernel = possible[1] if len(possible) > 1 else "fp32"
+        if kernel not in self.KERNELS:
+            raise ValueError(f"keel.decode: attention kernel {kernel!r} is none of {', '.join(self.KERNELS)}")
+        if kernel not in possible:
+            raise ValueError(f"keel.decode: the {kernel!r} attention kernel cannot run here for {dtype} "
+                             f"(available: {', '.join(possible)})")
+        self.kernel = kernel
+        self.paired = kernel != "fp32"  # the prefix in bf16, pairs side by side (`_prefix`)
         self._prefixes: dict[int, tuple] = {}  # layer → (prefix keys it was made from, keys and values as the kernel reads them)
 
     @staticmethod
@@ -208,19 +223,20 @@ class _NativeOps:
         """(the mask as int64 rows, the attention's fp32 scratch): one allocation a step, shared by
         every layer."""
         mask = attn if attn.dtype == torch.int64 and attn.is_contiguous() else attn.to(torch.int64).contiguous()
-        floats = self.lib.keel_attention_scratch(attn.shape[0], heads, kv_heads, head_dim, P, attn.shape[1] - P, int(self.amx and P > 0))
+        floats = self.lib.keel_attention_scratch(attn.shape[0], heads, kv_heads, head_dim, P, attn.shape[1] - P, self.KERNELS.index(self.kernel) if P > 0 else 0)
         return mask, torch.empty(floats, dtype=torch.float32)
 
     def _prefix(self, i: int, layer):
         """The layer's shared prefix as the kernel reads it, made once per prefix: fp32 keys
         transposed [KV, D, P16] and values [KV, P16, D], zero-padded to a multiple of 16 positions;
-        for the AMX kernel bf16 keys [KV, D/2, P32, 2] and values [KV, P32/2, D, 2] (the tiles'
-        layout: pairs of consecutive dims, resp. positions, side by side), zero-padded to 32."""
+        for the bf16 kernels (amx, dpbf16) bf16 keys [KV, D/2, P32, 2] and values [KV, P32/2, D, 2]
+        (pairs of consecutive dims, resp. positions, side by side: the tiles' layout, and one pair
+        per 32-bit lane for VDPBF16PS), zero-padded to 32."""
         pk, pv = layer.prefix
         got = self._prefixes.get(i)
         if got is None or got[0] is not pk:
             KV, P, D = pk.shape[1:]
-            if self.amx:
+            if self.paired:
                 P32 = _round_up(P, 32)
                 keys = pk.new_zeros(KV, P32, D)
                 keys[:, :P] = pk[0]
@@ -252,8 +268,9 @@ class _NativeOps:
         out = q.new_empty(B, H * D)
         own = (keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1), L, mask.data_ptr() + P * mask.element_size(),
                mask.stride(0), out.data_ptr(), scratch.data_ptr(), B, H, KV, D, scale)
-        if self.amx and prefix is not None:
-            self.lib.keel_decode_attention_amx(q.data_ptr(), q.stride(0), prefix[0].data_ptr(), prefix[1].data_ptr(), P, *own)
+        if self.paired and prefix is not None:
+            kernel = self.lib.keel_decode_attention_amx if self.kernel == "amx" else self.lib.keel_decode_attention_dpbf16
+            kernel(q.data_ptr(), q.stride(0), prefix[0].data_ptr(), prefix[1].data_ptr(), P, *own)
         else:
             kt, vp = (t.data_ptr() for t in prefix) if prefix is not None else (None, None)
             self.lib.keel_decode_attention(q.data_ptr(), q.stride(0), kt, vp, P, _round_up(P, 16), *own, self.bf16)

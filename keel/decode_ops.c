@@ -231,8 +231,9 @@ static inline __attribute__((always_inline)) void attend_one(
     const long base = (long)b * kv_row + (long)g * kv_head;
     const int64_t *m = mask + (long)b * mask_row;
     L = own_keys(m, L);
-    float qs[REP][NC * 16];
-    v16 qv[REP][NC];
+    float qs[8][128]; /* of the largest shape, not REP × NC: the compiler keeps fixed-size arrays in
+                       * registers (variable-length ones in memory) */
+    v16 qv[8][8];
     for (int r = 0; r < REP; r++)
         for (int c = 0; c < NC; c++) {
             qv[r][c] = load16(q, qo + (long)r * D + c * 16, bf16) * scale;
@@ -244,7 +245,7 @@ static inline __attribute__((always_inline)) void attend_one(
         const float *kt = pkt + (long)g * D * P16;
         for (int j0 = 0; j0 < P16; j0 += 32) { /* two blocks of 16 keys: twice the independent sums in flight */
             const int two = j0 + 32 <= P16;
-            v16 acc[REP][2];
+            v16 acc[8][2];
             for (int r = 0; r < REP; r++) acc[r][0] = acc[r][1] = (v16){0};
             for (int d = 0; d < D; d++) {
                 v16 k0, k1 = {0};
@@ -260,7 +261,7 @@ static inline __attribute__((always_inline)) void attend_one(
         for (int j = 0; j < L; j++) {
             prefetch_own(k, v, base, j, D, bf16 ? 2 : 4);
             if (!m[j]) continue;
-            v16 acc[REP];
+            v16 acc[8];
             for (int r = 0; r < REP; r++) acc[r] = (v16){0};
             for (int c = 0; c < NC; c++) {
                 v16 kc = load16(k, base + (long)j * D + c * 16, bf16);
@@ -275,14 +276,14 @@ static inline __attribute__((always_inline)) void attend_one(
             if (j >= L || !m[j]) S[(long)r * W + P16 + j] = -INFINITY;
     }
     /* softmax of each query head's W scores (-inf: weight 0) */
-    float inv[REP];
+    float inv[8];
     for (int r = 0; r < REP; r++) {
         float *s = S + (long)r * W;
         float tot = exp_shifted(s, W, row_max(s, W), NULL, 0);
         inv[r] = tot > 0.0f ? 1.0f / tot : 0.0f;
     }
     /* weighted sum of values, each value row read once for all query heads */
-    v16 acc[REP][NC];
+    v16 acc[8][8];
     for (int r = 0; r < REP; r++)
         for (int c = 0; c < NC; c++) acc[r][c] = (v16){0};
     {
@@ -439,15 +440,17 @@ int keel_amx(void) {
 #endif
 }
 
-/* floats of scratch the attention needs. keel_decode_attention (amx 0): scores [B·KV, H/KV, P16 +
- * L16]. keel_decode_attention_amx (amx 1): scores [KV, M16, P32 + L16], own-value sums [KV, M16, D],
+/* floats of scratch the attention needs. kind 0, keel_decode_attention: scores [B·KV, H/KV, P16 +
+ * L16]. kind 1, keel_decode_attention_amx: scores [KV, M16, P32 + L16], own-value sums [KV, M16, D],
  * 1/softmax totals [KV, M16], bf16 probabilities [KV, M16, P32] and packed queries [KV, M16, D]
  * (M16: B·H/KV rounded up to 16 rows; P16, P32, L16: P, L rounded up to 16, 32, 16), 64-byte
- * aligned within it. */
-long keel_attention_scratch(int B, int H, int KV, int D, int P, int L, int amx) {
-    const long L16 = round_up(L, 16);
-    if (!amx) return (long)B * H * (round_up(P, 16) + L16);
-    const long M16 = round_up((long)B * (H / KV), 16), P32 = round_up(P, 32);
+ * aligned within it. kind 2, keel_decode_attention_dpbf16: for each (row, kv head) pair, scores
+ * [H/KV, P32 + L16] then bf16 probabilities [H/KV, P32]. */
+long keel_attention_scratch(int B, int H, int KV, int D, int P, int L, int kind) {
+    const long L16 = round_up(L, 16), P32 = round_up(P, 32);
+    if (kind == 0) return (long)B * H * (round_up(P, 16) + L16);
+    if (kind == 2) return (long)B * H * (P32 + L16 + P32 / 2);
+    const long M16 = round_up((long)B * (H / KV), 16);
     return 16 + KV * M16 * (P32 + L16) + KV * M16 * D + round_up(KV * M16, 16) + KV * M16 * P32 / 2 + KV * M16 * D / 2;
 }
 
@@ -620,6 +623,147 @@ void keel_decode_attention_amx(const void *q, long q_row, const uint16_t *pkv, c
             }
         }
         _tile_release();
+    }
+#endif
+}
+
+/* ---- the same bf16 attention on AVX512-BF16 dot products, for CPUs without AMX ----
+ * keel_decode_attention_amx's inputs, layout and arithmetic, one (row, kv head) pair at a time:
+ * the prefix's scores are raw q·k summed in fp32 from pairs of bf16 products (VDPBF16PS: one
+ * 32-bit lane holds a pair of consecutive dims of a key, as in the tiles' layout), then scaled;
+ * the own keys, the softmax and the own values as in amx_own; the prefix's probabilities rounded
+ * to bf16 for their product with the values (pairs of consecutive positions in a lane); the
+ * output (prefix part + own part) · 1/total, rounded once. On a Zen 4 EPYC (no AMX) this halves
+ * the bytes and instructions of the fp32 kernel's prefix loops, which read the prefix as fp32. */
+#if defined(__AVX512BF16__)
+#ifndef KEEL_AMX
+#include <immintrin.h>
+#endif
+#define KEEL_DPBF16 1
+#endif
+
+/* 1 where keel_decode_attention_dpbf16 runs (built for a CPU with AVX512-BF16) */
+int keel_dpbf16(void) {
+#ifdef KEEL_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef KEEL_DPBF16
+static inline __attribute__((always_inline)) void dot_one(
+    const int REP, const int NC, int b, int g, const void *q, long q_row, const uint16_t *pkv, const uint16_t *pvv, int P,
+    int P32, const void *k, const void *v, long kv_row, long kv_head, int L, int L16, const int64_t *mask, long mask_row,
+    void *out, float *S, uint16_t *Pb, int H, float scale) {
+    const int D = NC * 16, W = P32 + L16;
+    const long qo = (long)b * q_row + (long)g * REP * D;
+    const long base = (long)b * kv_row + (long)g * kv_head;
+    const int64_t *m = mask + (long)b * mask_row;
+    L = own_keys(m, L);
+    uint32_t qw[8][64]; /* the queries as pairs of consecutive dims (arrays of the largest shape, not REP × NC:
+                         * the compiler keeps fixed-size ones in registers, variable-length ones in memory) */
+    for (int r = 0; r < REP; r++) memcpy(qw[r], (const uint16_t *)q + qo + (long)r * D, D * 2);
+    /* prefix scores, 32 keys at a time: keys [D/2, P32] words of this kv head */
+    const uint32_t *kw = (const uint32_t *)pkv + (long)g * (D / 2) * P32;
+    for (int n = 0; n < P32; n += 32) {
+        __m512 acc[8][2];
+        for (int r = 0; r < REP; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int d2 = 0; d2 < D / 2; d2++) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kw + (long)d2 * P32 + n);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kw + (long)d2 * P32 + n + 16);
+#pragma GCC unroll 8
+            for (int r = 0; r < REP; r++) {
+                const __m512bh qq = (__m512bh)_mm512_set1_epi32((int)qw[r][d2]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qq, k0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qq, k1);
+            }
+        }
+        for (int r = 0; r < REP; r++) {
+            _mm512_storeu_ps(S + (long)r * W + n, _mm512_mul_ps(acc[r][0], _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(S + (long)r * W + n + 16, _mm512_mul_ps(acc[r][1], _mm512_set1_ps(scale)));
+        }
+    }
+    /* own keys: fp32, as amx_own */
+    v16 qv[8][8];
+    for (int r = 0; r < REP; r++)
+        for (int c = 0; c < NC; c++) qv[r][c] = load16(q, qo + (long)r * D + c * 16, 1) * scale;
+    for (int j = 0; j < L; j++) {
+        prefetch_own(k, v, base, j, D, 2);
+        if (!m[j]) continue;
+        v16 acc[8];
+        for (int r = 0; r < REP; r++) acc[r] = (v16){0};
+        for (int c = 0; c < NC; c++) {
+            v16 kc = load16(k, base + (long)j * D + c * 16, 1);
+            for (int r = 0; r < REP; r++) acc[r] += qv[r][c] * kc;
+        }
+        for (int r = 0; r < REP; r++) S[(long)r * W + P32 + j] = hsum(acc[r]);
+    }
+    float inv[8];
+    for (int r = 0; r < REP; r++) {
+        float *s = S + (long)r * W;
+        for (int j = P; j < P32; j++) s[j] = -INFINITY;
+        for (int j = 0; j < L16; j++)
+            if (j >= L || !m[j]) s[P32 + j] = -INFINITY;
+        float tot = exp_shifted(s, W, row_max(s, W), Pb + (long)r * P32, P32);
+        inv[r] = tot > 0.0f ? 1.0f / tot : 0.0f;
+    }
+    /* prefix values, two positions a lane: values [P32/2, D] words of this kv head; pairs past P
+     * have probability 0 and are skipped */
+    __m512 pa[8][8];
+    for (int r = 0; r < REP; r++)
+        for (int c = 0; c < NC; c++) pa[r][c] = _mm512_setzero_ps();
+    const uint32_t *vw = (const uint32_t *)pvv + (long)g * (P32 / 2) * D;
+    for (int n2 = 0; n2 < (P + 1) / 2; n2++) {
+        __m512bh pr[8];
+        for (int r = 0; r < REP; r++) {
+            uint32_t w;
+            memcpy(&w, Pb + (long)r * P32 + 2 * n2, sizeof w);
+            pr[r] = (__m512bh)_mm512_set1_epi32((int)w);
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; c++) {
+            const __m512bh vv = (__m512bh)_mm512_loadu_si512(vw + (long)n2 * D + c * 16);
+#pragma GCC unroll 8
+            for (int r = 0; r < REP; r++) pa[r][c] = _mm512_dpbf16_ps(pa[r][c], pr[r], vv);
+        }
+    }
+    v16 acc[8][8];
+    for (int r = 0; r < REP; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = (v16){0};
+    for (int j = 0; j < L; j++) {
+        if (!m[j]) continue;
+        for (int c = 0; c < NC; c++) {
+            v16 vv = load16(v, base + (long)j * D + c * 16, 1);
+            for (int r = 0; r < REP; r++) acc[r][c] += S[(long)r * W + P32 + j] * vv;
+        }
+    }
+    for (int r = 0; r < REP; r++) {
+        const long o = ((long)b * H + g * REP + r) * D;
+        for (int c = 0; c < NC; c++) {
+            store16(out, o + c * 16, ((v16)pa[r][c] + acc[r][c]) * inv[r], 1);
+        }
+    }
+}
+#endif
+
+/* keel_decode_attention_amx's inputs, output and prefix layout (P ≥ 1); scratch of
+ * keel_attention_scratch(..., 2) floats. Call only where keel_dpbf16() returned 1. */
+void keel_decode_attention_dpbf16(const void *q, long q_row, const uint16_t *pkv, const uint16_t *pvv, int P, const void *k,
+                                  const void *v, long kv_row, long kv_head, int L, const int64_t *mask, long mask_row,
+                                  void *out, float *scratch, int B, int H, int KV, int D, float scale) {
+#ifdef KEEL_DPBF16
+    const int rep = H / KV, P32 = (int)round_up(P, 32), L16 = (int)round_up(L, 16), W = P32 + L16;
+    const long per = (long)rep * (W + P32 / 2); /* floats of scratch per pair: scores, then bf16 probabilities */
+#pragma omp parallel for schedule(static)
+    for (int item = 0; item < B * KV; item++) {
+        const int g = item / B, b = item % B; /* kv head outer: one prefix head stays in cache */
+        float *S = scratch + item * per;
+        uint16_t *Pb = (uint16_t *)(S + (long)rep * W);
+#define ONE(R, N) dot_one(R, N, b, g, q, q_row, pkv, pvv, P, P32, k, v, kv_row, kv_head, L, L16, mask, mask_row, out, S, Pb, H, scale)
+        BY_SHAPE(rep, D);
+#undef ONE
     }
 #endif
 }

@@ -8,8 +8,8 @@ shared prefix and the rows' own keys was two flash-attention calls and a dozen o
 sampling six ops over the 49k-token vocabulary. keel/decode_ops.c does each group in one call:
 the element-wise groups with the same roundings as transformers' forward in the same dtype (fp32
 or bf16), the attention and the sampling in fp32 (keel.decode, keel.rollout._choose); where the
-CPU has AMX (and the compiler targets it), a bf16 attention whose shared-prefix part runs as tile
-matrix products (`amx`).
+CPU has AMX or AVX512-BF16 (and the compiler targets it), a bf16 attention whose shared-prefix
+part runs as bf16 matrix products with fp32 sums (`bf16_kernels`).
 
 No maintained library ships these fused CPU ops for this torch (intel-extension-for-pytorch,
 which did, stopped at torch 2.8), so Keel compiles its own with the system's C compiler, once per
@@ -52,6 +52,8 @@ SIGNATURES = {  # name: (argument types, result type)
     "keel_amx": ([], _I),
     "keel_attention_scratch": ([_I, _I, _I, _I, _I, _I, _I], _L),
     "keel_decode_attention_amx": ([_P, _L, _P, _P, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F], None),
+    "keel_dpbf16": ([], _I),
+    "keel_decode_attention_dpbf16": ([_P, _L, _P, _P, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F], None),
 }
 
 
@@ -121,9 +123,18 @@ def ops() -> ctypes.CDLL | None:
     return lib
 
 
-def amx(lib: ctypes.CDLL | None) -> bool:
-    """Whether the bf16 decode attention can run its shared-prefix products on AMX tiles
-    (keel_decode_attention_amx) with `lib` (an `ops()` library): it was built for a CPU with AMX
-    and the OS lets this process use them. KEEL_AMX=0 in the environment: no (the kernel that
-    computes the prefix in fp32 FMAs instead)."""
-    return lib is not None and os.environ.get("KEEL_AMX", "1") != "0" and lib.keel_amx() == 1
+def bf16_kernels(lib: ctypes.CDLL | None) -> list[str]:
+    """The bf16 decode attentions that read the shared prefix in bf16 which `lib` (an `ops()`
+    library) can run here, fastest first: "amx" (keel_decode_attention_amx: the prefix's two
+    products as AMX tile matrix products; built for a CPU with AMX, and the OS lets this process
+    use the tiles), "dpbf16" (keel_decode_attention_dpbf16: the same arithmetic in AVX512-BF16 dot
+    products; built for a CPU with AVX512-BF16). KEEL_AMX=0, resp. KEEL_DPBF16=0, in the
+    environment removes one; with neither, bf16 runs the kernel that reads the prefix in fp32."""
+    if lib is None:
+        return []
+    found = []
+    if os.environ.get("KEEL_AMX", "1") != "0" and lib.keel_amx() == 1:
+        found.append("amx")
+    if os.environ.get("KEEL_DPBF16", "1") != "0" and lib.keel_dpbf16() == 1:
+        found.append("dpbf16")
+    return found

@@ -93,16 +93,18 @@ class _Layer:
         self.prefix = prefix
 
 
-AMX = LIB is not None and native.amx(LIB)
-# (dtype, whether bf16 runs the AMX kernel): the fp32-inside kernel for both dtypes, the AMX one where the CPU has it
-KERNELS = [(torch.float32, False), (torch.bfloat16, False),
-           pytest.param(torch.bfloat16, True, marks=pytest.mark.skipif(not AMX, reason="no AMX on this CPU"))]
+BF16_KERNELS = native.bf16_kernels(LIB)
+# (dtype, attention kernel): the prefix-in-fp32 kernel for both dtypes, the bf16 ones where the CPU has them
+KERNELS = [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
+           pytest.param(torch.bfloat16, "amx", marks=pytest.mark.skipif("amx" not in BF16_KERNELS, reason="no AMX on this CPU")),
+           pytest.param(torch.bfloat16, "dpbf16",
+                        marks=pytest.mark.skipif("dpbf16" not in BF16_KERNELS, reason="no AVX512-BF16 on this CPU"))]
 
 
 @needs_lib
-@pytest.mark.parametrize(("dtype", "amx"), KERNELS)
+@pytest.mark.parametrize(("dtype", "kernel"), KERNELS)
 @pytest.mark.parametrize("shape", [(5, 6, 2, 64, 37, 21), (3, 8, 8, 32, 0, 19), (2, 4, 1, 128, 16, 1), (20, 9, 3, 64, 45, 33)])
-def test_attention_matches_a_float64_reference(dtype, amx, shape):
+def test_attention_matches_a_float64_reference(dtype, kernel, shape):
     """Grouped heads, a shared prefix that is not a multiple of 16 (or 32) long (or none), the rows'
     own keys in a strided growing buffer with holes in their mask, an idle row (its newest key
     hidden: the kernels skip its own keys, so its output is the prefix's attention alone, zero
@@ -125,18 +127,18 @@ def test_attention_matches_a_float64_reference(dtype, amx, shape):
     idle = ~visible[:, -1]
     visible[idle] = False
     scale = D**-0.5
-    ops = decode._NativeOps(LIB, 1e-5, dtype, amx=amx)
-    assert ops.amx == amx
+    ops = decode._NativeOps(LIB, 1e-5, dtype, kernel=kernel)
+    assert ops.kernel == kernel
     got = ops.attend(0, q, _Layer(prefix), keys, values, ops.prepare(attn, P, H, KV, dtype, D), scale).view(B, H, D)
     expect = _attention_reference(q, *(prefix or (None, None)), keys, values, visible, scale)
     if dtype == torch.float32:
         torch.testing.assert_close(got.double(), expect, atol=2e-6, rtol=1e-5)
     else:
         # inputs are exact; the output is rounded once to bf16 (unit roundoff 2^-8), the sum of p·v
-        # has fp32 errors (2^-16 of Σ p·|v| bounds them) or, in the AMX kernel, the prefix's
+        # has fp32 errors (2^-16 of Σ p·|v| bounds them) or, in the bf16 kernels, the prefix's
         # probabilities rounded to bf16 before their product with the values (2^-8 each)
         size = _attention_reference(q, *(prefix or (None, None)), keys, values, visible, scale, magnitude=True)
-        bound = 2.0**-8 * expect.abs() + (2.0**-8 if amx and P else 2.0**-16) * size
+        bound = 2.0**-8 * expect.abs() + (2.0**-8 if kernel != "fp32" and P else 2.0**-16) * size
         err = (got.double() - expect).abs()
         assert (err <= bound).all(), (err / bound).max()
     torch_ops = decode._TorchOps(1e-5)
@@ -301,11 +303,33 @@ def test_a_compiler_without_openmp_still_builds_the_kernels(tmp_path, monkeypatc
         native.ops.cache_clear()
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
 @needs_lib
-def test_the_amx_kernel_is_used_only_in_bf16_and_can_be_switched_off(monkeypatch):
-    """`native.amx` follows the CPU and the OS (keel_amx) and KEEL_AMX=0; fp32 never uses it."""
-    assert not decode._NativeOps(LIB, 1e-5, torch.float32).amx
-    assert decode._NativeOps(LIB, 1e-5, torch.bfloat16).amx == AMX
-    assert not decode._NativeOps(LIB, 1e-5, torch.bfloat16, amx=False).amx
+def test_the_bf16_prefix_kernels_follow_the_cpu_the_dtype_and_the_environment(monkeypatch):
+    """bf16 models get the fastest bf16 prefix kernel the CPU has (AMX, then AVX512-BF16), fp32
+    models the fp32 one; KEEL_AMX=0 and KEEL_DPBF16=0 remove one each; a kernel that cannot run
+    here, or that does not exist, is refused by name."""
+    flags = _cpu_flags()
+    if "avx512_bf16" in flags:  # the library is built with -march=native: the CPU's instructions are in it
+        assert "dpbf16" in BF16_KERNELS
+    if "amx_bf16" not in flags:
+        assert "amx" not in BF16_KERNELS
+    assert decode._NativeOps(LIB, 1e-5, torch.float32).kernel == "fp32"
+    assert decode._NativeOps(LIB, 1e-5, torch.bfloat16).kernel == (BF16_KERNELS or ["fp32"])[0]
+    assert decode._NativeOps(LIB, 1e-5, torch.bfloat16, kernel="fp32").kernel == "fp32"
+    with pytest.raises(ValueError, match="'dpbf16' attention kernel cannot run here for torch.float32"):
+        decode._NativeOps(LIB, 1e-5, torch.float32, kernel="dpbf16")
+    with pytest.raises(ValueError, match="attention kernel 'tiles' is none of fp32, amx, dpbf16"):
+        decode._NativeOps(LIB, 1e-5, torch.bfloat16, kernel="tiles")
     monkeypatch.setenv("KEEL_AMX", "0")
-    assert not native.amx(LIB) and not decode._NativeOps(LIB, 1e-5, torch.bfloat16).amx
+    assert native.bf16_kernels(LIB) == [k for k in BF16_KERNELS if k != "amx"]
+    monkeypatch.setenv("KEEL_DPBF16", "0")
+    assert native.bf16_kernels(LIB) == [] and decode._NativeOps(LIB, 1e-5, torch.bfloat16).kernel == "fp32"
+    assert native.bf16_kernels(None) == []
