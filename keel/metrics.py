@@ -23,6 +23,7 @@ REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
 REWARD_COMPONENT_PREFIX = "reward/"  # + component name, e.g. reward/em, reward/f1
 REWARD_MIXED_GROUPS = "reward/mixed_groups"  # share of groups with non-zero reward variance
+REWARD_REDRAWN = "reward/redrawn_batches"  # flat batches set aside this step before the one trained on (grpo.redraw_flat)
 
 # loss/
 LOSS_TOTAL = "loss/total"

@@ -352,22 +352,26 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     cfg, p, ctx, signals = run.cfg, run.progress, run.ctx, run.signals
     s, g = cfg.signals, cfg.grpo
     t0 = time.time()
-    batch_tasks = [run.train_tasks[i] for i in next_batch(run, p.rl_order, cfg.rollout.prompts_per_step, len(run.train_tasks), run.strata)]
-    rows, groups = sampled_rows(batch_tasks, cfg.rollout.group_size, signals.replaced_slots())
-    mine = shard_groups(len(batch_tasks), ctx)
-    keep = [i for i, k in enumerate(groups) if k in mine]
-    local_rows, local_groups = [rows[i] for i in keep], [groups[i] for i in keep]
-    # one generator per row, seeded by (seed, step, group, member): what a row samples does
-    # not depend on the rank or the batch it is in
-    gens = [torch.Generator().manual_seed(row_seed(cfg.run.seed, p.rl_done, k, i - groups.index(k))) for i, k in zip(keep, local_groups)]
-    hints, signal_line = signals.hints(batch_tasks, local_groups)
-    local = rollout(run.sampler, run.tok, run.env, local_rows, params, generator=gens, groups=local_groups, hints=hints,
-                    hint_position=s.hint.position, chat=run.chat)
+    for redrawn in range(g.redraw_flat + 1):  # grpo.redraw_flat: a batch with no mixed group is set aside for a fresh one
+        batch_tasks = [run.train_tasks[i] for i in next_batch(run, p.rl_order, cfg.rollout.prompts_per_step, len(run.train_tasks), run.strata)]
+        rows, groups = sampled_rows(batch_tasks, cfg.rollout.group_size, signals.replaced_slots())
+        mine = shard_groups(len(batch_tasks), ctx)
+        keep = [i for i, k in enumerate(groups) if k in mine]
+        local_rows, local_groups = [rows[i] for i in keep], [groups[i] for i in keep]
+        # one generator per row, seeded by (seed, step, group, member): what a row samples does
+        # not depend on the rank or the batch it is in; a redrawn batch's groups count on from the last
+        first = redrawn * len(batch_tasks)
+        gens = [torch.Generator().manual_seed(row_seed(cfg.run.seed, p.rl_done, first + k, i - groups.index(k))) for i, k in zip(keep, local_groups)]
+        hints, signal_line = signals.hints(batch_tasks, local_groups)
+        local = rollout(run.sampler, run.tok, run.env, local_rows, params, generator=gens, groups=local_groups, hints=hints,
+                        hint_position=s.hint.position, chat=run.chat)
+        release_free_memory()  # the rollout's KV caches were freed into the heap; the update allocates differently
+        score(local, local_rows, run.reward_fn)
+        trajs = [t for part in gather_objects(local, ctx) for t in part] if ctx.enabled else local  # all rows, in row order
+        group_rewards = [[tr.reward for tr, k in zip(trajs, groups) if k == j] for j in range(len(batch_tasks))]
+        if any(max(r) > min(r) for r in group_rewards if r):  # every rank sees every reward: the same decision everywhere
+            break
     t_rollout = time.time() - t0
-    release_free_memory()  # the rollout's KV caches were freed into the heap; the update allocates differently
-    score(local, local_rows, run.reward_fn)
-    trajs = [t for part in gather_objects(local, ctx) for t in part] if ctx.enabled else local  # all rows, in row order
-    group_rewards = [[tr.reward for tr, k in zip(trajs, groups) if k == j] for j in range(len(batch_tasks))]
     signal_line.update(signals.observe(p.rl_done, [t.id for t in batch_tasks], group_rewards))
     local_rewards = torch.tensor([tr.reward for tr in local])
     members, adv, ops_line = signals.members(local, local_rewards, local_groups, batch_tasks, mine, run.reward_fn, g, ctx)  # OPS: + gold members
@@ -393,6 +397,8 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     line = rl_step_metrics(trajs, rows, groups, len(batch_tasks), stats, signal_line, sink, run.pieces, run.freq_baseline,
                            structural=run.chat is None or run.chat.family == "hermes", lr=lr,
                            t_rollout=t_rollout, t_update=t_update)
+    if g.redraw_flat:
+        line[M.REWARD_REDRAWN] = redrawn
     if p.rl_done % cfg.eval.every == 0 or p.rl_done == g.steps:
         line.update(evaluate_rl(run))  # and keep the peak: checkpoints/peak
     line[M.TIME_STEP] = time.time() - t0

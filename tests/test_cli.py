@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runs import deterministic_lines
 
 REPO = Path(__file__).resolve().parent.parent
 KEEL = [sys.executable, "-m", "keel.cli"]
@@ -229,3 +230,58 @@ def test_eval_bfcl_with_a_model_runs_batched_rollouts_in_the_dtype_asked(tmp_pat
     assert [row["id"] for row in rows] == [f"multi_turn_base_{i}" for i in range(3)]
     assert all(row["assistant_turns"] >= 2 and not row["truncated"] for row in rows)  # every user turn was answered
     assert "json 2/3 tasks, 0 valid" in r.stderr and "json 3/3 tasks, 0 valid" in r.stderr
+
+
+REWARD_LOG = '''import json, os
+
+
+def flat(traj, task):
+    """0 for every episode; logs the task ids it scores (one line per call)."""
+    with open(os.environ["KEEL_TEST_REWARD_LOG"], "a") as f:
+        f.write(task.id + "\\n")
+    return 0.0, {}
+
+
+CALLS = [0]
+
+
+def alternate(traj, task):
+    """1, 0, 1, 0, ... in the order episodes are scored (rows are grouped by prompt, groups of
+    2 here): every group is mixed."""
+    CALLS[0] += 1
+    return float(CALLS[0] % 2), {}
+'''
+
+
+def test_a_step_with_no_mixed_group_redraws_its_batch(tmp_path):
+    """grpo.redraw_flat: with a reward that is always 0, each step sets aside its batch and draws
+    a fresh one, redraw_flat times (fresh prompts each time), then trains on nothing; with a
+    reward that mixes every group, nothing is redrawn and every number is the run's without the
+    option."""
+    (tmp_path / "rewards_for_test.py").write_text(REWARD_LOG)
+    log = tmp_path / "scored.txt"
+    env = {**ENV, "KEEL_TEST_REWARD_LOG": str(log)}
+    fn = str(tmp_path / "rewards_for_test.py")
+    r = subprocess.run([*KEEL, "train", "configs/smoke.yaml", "--out", str(tmp_path / "flat"), "--set", "run.progress=false",
+                        "--set", f"reward.name={fn}:flat", "--set", "grpo.redraw_flat=2"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rl = [x for x in map(json.loads, (tmp_path / "flat" / "metrics.jsonl").read_text().splitlines()) if x["phase"] == "rl"]
+    assert [x["reward/redrawn_batches"] for x in rl] == [2, 2]
+    assert all(x["loss/trained_members"] == 0 and x["reward/mixed_groups"] == 0 for x in rl)
+    scored = log.read_text().split()
+    # smoke: 2 steps × 3 batches × 2 prompts × 2 members, each batch of fresh training prompts
+    train_ids = [t for t in scored if "-train-" in t]
+    assert len(train_ids) == 2 * 3 * 2 * 2
+    batches = [tuple(sorted(set(train_ids[i : i + 4]))) for i in range(0, len(train_ids), 4)]
+    assert len(set(batches)) == 6 and all(len(b) == 2 for b in batches)
+
+    runs = {}
+    for name, extra in (("mixed", ["--set", "grpo.redraw_flat=3"]), ("plain", [])):
+        r = keel("train", "configs/smoke.yaml", "--out", str(tmp_path / name), "--set", "run.progress=false",
+                 "--set", f"reward.name={fn}:alternate", *extra)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[name] = deterministic_lines(tmp_path / name)
+    assert [x.pop("reward/redrawn_batches") for x in runs["mixed"] if x["phase"] == "rl"] == [0, 0]
+    assert runs["mixed"] == runs["plain"]
+    assert all(x["reward/mixed_groups"] > 0 for x in runs["plain"] if x["phase"] == "rl")
