@@ -352,6 +352,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     cfg, p, ctx, signals = run.cfg, run.progress, run.ctx, run.signals
     s, g = cfg.signals, cfg.grpo
     t0 = time.time()
+    t_rollout = 0.0
     for redrawn in range(g.redraw_flat + 1):  # grpo.redraw_flat: a batch with no mixed group is set aside for a fresh one
         batch_tasks = [run.train_tasks[i] for i in next_batch(run, p.rl_order, cfg.rollout.prompts_per_step, len(run.train_tasks), run.strata)]
         rows, groups = sampled_rows(batch_tasks, cfg.rollout.group_size, signals.replaced_slots())
@@ -363,15 +364,16 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
         first = redrawn * len(batch_tasks)
         gens = [torch.Generator().manual_seed(row_seed(cfg.run.seed, p.rl_done, first + k, i - groups.index(k))) for i, k in zip(keep, local_groups)]
         hints, signal_line = signals.hints(batch_tasks, local_groups)
+        t_r = time.time()
         local = rollout(run.sampler, run.tok, run.env, local_rows, params, generator=gens, groups=local_groups, hints=hints,
                         hint_position=s.hint.position, chat=run.chat)
+        t_rollout += time.time() - t_r  # time/rollout_s: the rollouts of every batch drawn
         release_free_memory()  # the rollout's KV caches were freed into the heap; the update allocates differently
         score(local, local_rows, run.reward_fn)
         trajs = [t for part in gather_objects(local, ctx) for t in part] if ctx.enabled else local  # all rows, in row order
         group_rewards = [[tr.reward for tr, k in zip(trajs, groups) if k == j] for j in range(len(batch_tasks))]
         if any(max(r) > min(r) for r in group_rewards if r):  # every rank sees every reward: the same decision everywhere
             break
-    t_rollout = time.time() - t0
     signal_line.update(signals.observe(p.rl_done, [t.id for t in batch_tasks], group_rewards))
     local_rewards = torch.tensor([tr.reward for tr in local])
     members, adv, ops_line = signals.members(local, local_rewards, local_groups, batch_tasks, mine, run.reward_fn, g, ctx)  # OPS: + gold members
