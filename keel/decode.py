@@ -223,7 +223,8 @@ class _NativeOps:
         """(the mask as int64 rows, the attention's fp32 scratch): one allocation a step, shared by
         every layer."""
         mask = attn if attn.dtype == torch.int64 and attn.is_contiguous() else attn.to(torch.int64).contiguous()
-        floats = self.lib.keel_attention_scratch(attn.shape[0], heads, kv_heads, head_dim, P, attn.shape[1] - P, self.KERNELS.index(self.kernel) if P > 0 else 0)
+        kind = self.KERNELS.index(self.kernel) if P > 0 else 0  # keel_attention_scratch's: 0 fp32, 1 amx, 2 dpbf16
+        floats = self.lib.keel_attention_scratch(attn.shape[0], heads, kv_heads, head_dim, P, attn.shape[1] - P, kind)
         return mask, torch.empty(floats, dtype=torch.float32)
 
     def _prefix(self, i: int, layer):

@@ -633,8 +633,10 @@ void keel_decode_attention_amx(const void *q, long q_row, const uint16_t *pkv, c
  * 32-bit lane holds a pair of consecutive dims of a key, as in the tiles' layout), then scaled;
  * the own keys, the softmax and the own values as in amx_own; the prefix's probabilities rounded
  * to bf16 for their product with the values (pairs of consecutive positions in a lane); the
- * output (prefix part + own part) · 1/total, rounded once. On a Zen 4 EPYC (no AMX) this halves
- * the bytes and instructions of the fp32 kernel's prefix loops, which read the prefix as fp32. */
+ * output (prefix part + own part) · 1/total, rounded once. Half the bytes and multiply-adds of
+ * the fp32 kernel's prefix loops, which read the prefix as fp32: on a Zen 4 EPYC (no AMX), at
+ * batch 16, SmolLM2's heads and a 560-token prefix, a call (its Python side included) takes 86
+ * µs against 153 (LOG.md, thirty-third session). */
 #if defined(__AVX512BF16__)
 #ifndef KEEL_AMX
 #include <immintrin.h>
