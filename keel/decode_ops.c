@@ -219,6 +219,43 @@ static inline float exp_shifted(float *s, int W, float M, uint16_t *copy, int n_
  * its newest own key, position L-1, is hidden from it). */
 static inline int own_keys(const int64_t *m, int L) { return L > 0 && !m[L - 1] ? 0 : L; }
 
+/* The scores of row b's visible own keys j < L for its REP query heads: S[r*W + j] = qv[r] · k_j
+ * (qv: the queries times the scale, fp32; keys in the dtype at k + base + j*D), fp32 FMAs, the
+ * keys and values ahead prefetched; hidden keys' entries are left as they are. Arrays are of the
+ * largest shape, [8][8], not REP × NC: the compiler keeps fixed-size ones in registers,
+ * variable-length ones in memory. */
+static inline __attribute__((always_inline)) void own_scores(const int REP, const int NC, const v16 qv[8][8], const void *k,
+                                                             const void *v, long base, int L, const int64_t *m, float *S,
+                                                             long W, int bf16) {
+    const int D = NC * 16;
+    for (int j = 0; j < L; j++) {
+        prefetch_own(k, v, base, j, D, bf16 ? 2 : 4);
+        if (!m[j]) continue;
+        v16 acc[8];
+        for (int r = 0; r < REP; r++) acc[r] = (v16){0};
+        for (int c = 0; c < NC; c++) {
+            v16 kc = load16(k, base + (long)j * D + c * 16, bf16);
+            for (int r = 0; r < REP; r++) acc[r] += qv[r][c] * kc;
+        }
+        for (int r = 0; r < REP; r++) S[(long)r * W + j] = hsum(acc[r]);
+    }
+}
+
+/* acc[r] += S[r*W + j] · v_j over row b's visible own values j < L (in the dtype at v + base +
+ * j*D), fp32 */
+static inline __attribute__((always_inline)) void own_values(const int REP, const int NC, const void *v, long base, int L,
+                                                             const int64_t *m, const float *S, long W, v16 acc[8][8],
+                                                             int bf16) {
+    const int D = NC * 16;
+    for (int j = 0; j < L; j++) {
+        if (!m[j]) continue;
+        for (int c = 0; c < NC; c++) {
+            v16 vv = load16(v, base + (long)j * D + c * 16, bf16);
+            for (int r = 0; r < REP; r++) acc[r][c] += S[(long)r * W + j] * vv;
+        }
+    }
+}
+
 /* One (row b, kv head g) pair: its `rep` query heads over the prefix and the row's own keys.
  * REP and NC (= D/16) are compile-time constants in every instantiation below, so the
  * accumulators live in registers. */
@@ -258,17 +295,7 @@ static inline __attribute__((always_inline)) void attend_one(
             }
             for (int r = 0; r < REP; r++) memcpy(S + (long)r * W + j0, acc[r], (two ? 2 : 1) * sizeof(v16));
         }
-        for (int j = 0; j < L; j++) {
-            prefetch_own(k, v, base, j, D, bf16 ? 2 : 4);
-            if (!m[j]) continue;
-            v16 acc[8];
-            for (int r = 0; r < REP; r++) acc[r] = (v16){0};
-            for (int c = 0; c < NC; c++) {
-                v16 kc = load16(k, base + (long)j * D + c * 16, bf16);
-                for (int r = 0; r < REP; r++) acc[r] += qv[r][c] * kc;
-            }
-            for (int r = 0; r < REP; r++) S[(long)r * W + P16 + j] = hsum(acc[r]);
-        }
+        own_scores(REP, NC, qv, k, v, base, L, m, S + P16, W, bf16);
     }
     for (int r = 0; r < REP; r++) {
         for (int j = P; j < P16; j++) S[(long)r * W + j] = -INFINITY;
@@ -295,13 +322,7 @@ static inline __attribute__((always_inline)) void attend_one(
                 for (int r = 0; r < REP; r++) acc[r][c] += S[(long)r * W + j] * vv;
             }
     }
-    for (int j = 0; j < L; j++) {
-        if (!m[j]) continue;
-        for (int c = 0; c < NC; c++) {
-            v16 vv = load16(v, base + (long)j * D + c * 16, bf16);
-            for (int r = 0; r < REP; r++) acc[r][c] += S[(long)r * W + P16 + j] * vv;
-        }
-    }
+    own_values(REP, NC, v, base, L, m, S + P16, W, acc, bf16);
     for (int r = 0; r < REP; r++) {
         const long o = ((long)b * H + g * REP + r) * D;
         for (int c = 0; c < NC; c++) store16(out, o + c * 16, acc[r][c] * inv[r], bf16);
@@ -470,20 +491,10 @@ static inline __attribute__((always_inline)) void amx_own(
     const long row0 = (long)g * M16 + (long)b * REP; /* this pair's first query row in S, Pb, O, inv */
     const int64_t *m = mask + (long)b * mask_row;
     L = own_keys(m, L);
-    v16 qv[REP][NC];
+    v16 qv[8][8];
     for (int r = 0; r < REP; r++)
         for (int c = 0; c < NC; c++) qv[r][c] = load16(q, qo + (long)r * D + c * 16, 1) * scale;
-    for (int j = 0; j < L; j++) {
-        prefetch_own(k, v, base, j, D, 2);
-        if (!m[j]) continue;
-        v16 acc[REP];
-        for (int r = 0; r < REP; r++) acc[r] = (v16){0};
-        for (int c = 0; c < NC; c++) {
-            v16 kc = load16(k, base + (long)j * D + c * 16, 1);
-            for (int r = 0; r < REP; r++) acc[r] += qv[r][c] * kc;
-        }
-        for (int r = 0; r < REP; r++) S[(row0 + r) * W + P32 + j] = hsum(acc[r]);
-    }
+    own_scores(REP, NC, qv, k, v, base, L, m, S + row0 * W + P32, W, 1);
     for (int r = 0; r < REP; r++) {
         float *s = S + (row0 + r) * W;
         for (int j = 0; j < P32; j += 16) {
@@ -498,16 +509,10 @@ static inline __attribute__((always_inline)) void amx_own(
         float tot = exp_shifted(s, W, row_max(s, W), Pb + (row0 + r) * P32, P32);
         inv[row0 + r] = tot > 0.0f ? 1.0f / tot : 0.0f;
     }
-    v16 acc[REP][NC];
+    v16 acc[8][8];
     for (int r = 0; r < REP; r++)
         for (int c = 0; c < NC; c++) acc[r][c] = (v16){0};
-    for (int j = 0; j < L; j++) {
-        if (!m[j]) continue;
-        for (int c = 0; c < NC; c++) {
-            v16 vv = load16(v, base + (long)j * D + c * 16, 1);
-            for (int r = 0; r < REP; r++) acc[r][c] += S[(row0 + r) * W + P32 + j] * vv;
-        }
-    }
+    own_values(REP, NC, v, base, L, m, S + row0 * W + P32, W, acc, 1);
     for (int r = 0; r < REP; r++)
         for (int c = 0; c < NC; c++) memcpy(O + (row0 + r) * D + c * 16, &acc[r][c], sizeof(v16));
 }
@@ -691,17 +696,7 @@ static inline __attribute__((always_inline)) void dot_one(
     v16 qv[8][8];
     for (int r = 0; r < REP; r++)
         for (int c = 0; c < NC; c++) qv[r][c] = load16(q, qo + (long)r * D + c * 16, 1) * scale;
-    for (int j = 0; j < L; j++) {
-        prefetch_own(k, v, base, j, D, 2);
-        if (!m[j]) continue;
-        v16 acc[8];
-        for (int r = 0; r < REP; r++) acc[r] = (v16){0};
-        for (int c = 0; c < NC; c++) {
-            v16 kc = load16(k, base + (long)j * D + c * 16, 1);
-            for (int r = 0; r < REP; r++) acc[r] += qv[r][c] * kc;
-        }
-        for (int r = 0; r < REP; r++) S[(long)r * W + P32 + j] = hsum(acc[r]);
-    }
+    own_scores(REP, NC, qv, k, v, base, L, m, S + P32, W, 1);
     float inv[8];
     for (int r = 0; r < REP; r++) {
         float *s = S + (long)r * W;
@@ -734,13 +729,7 @@ static inline __attribute__((always_inline)) void dot_one(
     v16 acc[8][8];
     for (int r = 0; r < REP; r++)
         for (int c = 0; c < NC; c++) acc[r][c] = (v16){0};
-    for (int j = 0; j < L; j++) {
-        if (!m[j]) continue;
-        for (int c = 0; c < NC; c++) {
-            v16 vv = load16(v, base + (long)j * D + c * 16, 1);
-            for (int r = 0; r < REP; r++) acc[r][c] += S[(long)r * W + P32 + j] * vv;
-        }
-    }
+    own_values(REP, NC, v, base, L, m, S + P32, W, acc, 1);
     for (int r = 0; r < REP; r++) {
         const long o = ((long)b * H + g * REP + r) * D;
         for (int c = 0; c < NC; c++) {
