@@ -158,7 +158,7 @@ class GRPOConfig:
     weight_decay: float = doc(0.0, "AdamW weight decay")
     adam_eps: float = doc(1e-8, "AdamW epsilon of every optimizer in the run (SFT, RL, supervision phases)")
     skip_zero_advantage: bool = doc(True, "do not forward members whose advantage is 0 (uniform groups): their policy-gradient term is exactly 0; their KL term is dropped too")
-    redraw_flat: int = doc(0, "a step whose groups all scored uniformly (no group with two different rewards: nothing to learn from) draws a fresh batch of prompts and rolls it out again, up to this many times, and trains on the first batch with a mixed group (or on nothing): DAPO's dynamic sampling, at the granularity of whole batches. Costs rollouts only in steps that would otherwise train on nothing. The signals (hints' only_failed, ETS) see the batch trained on, not the ones set aside")
+    redraw_flat: int = doc(0, "a step whose rewards leave every advantage 0 (each group's rewards alike; under grpo.baseline batch, the whole batch's: nothing to learn from) draws a fresh batch of prompts and rolls it out again, up to this many times, and trains on the first batch with a mixed group (or on nothing): DAPO's dynamic sampling, at the granularity of whole batches. Costs rollouts only in steps that would otherwise train on nothing. The signals (hints' only_failed, ETS) see the batch trained on, not the ones set aside; with signals.ops its gold members would have mixed the groups the check calls flat: leave it 0 there")
 
 
 @dataclass

@@ -341,6 +341,16 @@ def supervision_phase(run: Run, phase) -> None:
     copy_weights(run.sampler, run.model)
 
 
+def no_advantage(group_rewards: list[list[float]], baseline: str) -> bool:
+    """Whether a batch's rewards leave every advantage 0 (grpo.redraw_flat): each group's rewards
+    all equal under the group baseline, the whole batch's under the batch one (there a group that
+    all succeeded still differs from the batch mean)."""
+    if baseline == "batch":
+        rewards = [r for rs in group_rewards for r in rs]
+        return not rewards or max(rewards) == min(rewards)
+    return all(max(rs) == min(rs) for rs in group_rewards if rs)
+
+
 def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     """One GRPO step: rollout → rewards → advantages → update → telemetry → detectors.
 
@@ -372,7 +382,7 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
         score(local, local_rows, run.reward_fn)
         trajs = [t for part in gather_objects(local, ctx) for t in part] if ctx.enabled else local  # all rows, in row order
         group_rewards = [[tr.reward for tr, k in zip(trajs, groups) if k == j] for j in range(len(batch_tasks))]
-        if any(max(r) > min(r) for r in group_rewards if r):  # every rank sees every reward: the same decision everywhere
+        if not no_advantage(group_rewards, g.baseline):  # every rank sees every reward: the same decision everywhere
             break
     signal_line.update(signals.observe(p.rl_done, [t.id for t in batch_tasks], group_rewards))
     local_rewards = torch.tensor([tr.reward for tr in local])

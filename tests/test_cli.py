@@ -275,6 +275,11 @@ def test_a_step_with_no_mixed_group_redraws_its_batch(tmp_path):
     assert len(train_ids) == 2 * 3 * 2 * 2
     batches = [tuple(sorted(set(train_ids[i : i + 4]))) for i in range(0, len(train_ids), 4)]
     assert len(set(batches)) == 6 and all(len(b) == 2 for b in batches)
+    # under the batch baseline a batch of uniform groups that differ from each other has advantages
+    from keel.train import no_advantage
+
+    assert no_advantage([[0.0, 0.0], [1.0, 1.0]], "group") and not no_advantage([[0.0, 0.0], [1.0, 1.0]], "batch")
+    assert no_advantage([[1.0, 1.0], [1.0, 1.0]], "batch") and not no_advantage([[0.0, 1.0], [1.0, 1.0]], "group")
 
     runs = {}
     for name, extra in (("mixed", ["--set", "grpo.redraw_flat=3"]), ("plain", [])):
