@@ -141,6 +141,21 @@ void keel_rotary(void *qkv, const void *cos, const void *sin, int rows, int head
     }
 }
 
+/* The step's keys and values, read from each row of qkv [B, qkv_row] (heads H..H+KV-1 the keys,
+ * the next KV the values, each of D values), copied to column `col` of the cache's key and value
+ * buffers [B, KV, capacity, D] (strides kv_row, kv_head; rows of D contiguous values). */
+void keel_append_kv(const void *qkv, long qkv_row, void *kbuf, void *vbuf, long kv_row, long kv_head, long col, int B, int H,
+                    int KV, int D, int bf16) {
+    const long es = bf16 ? 2 : 4;
+    for (int b = 0; b < B; b++)
+        for (int g = 0; g < KV; g++) {
+            const long to = ((long)b * kv_row + (long)g * kv_head + col * D) * es;
+            const char *row = (const char *)qkv + (long)b * qkv_row * es;
+            memcpy((char *)kbuf + to, row + (long)(H + g) * D * es, D * es);
+            memcpy((char *)vbuf + to, row + (long)(H + KV + g) * D * es, D * es);
+        }
+}
+
 /* out [rows, n] = silu(gate) * up, gate and up the two halves of each row of gu [rows, 2n]; silu
  * is rounded to the dtype before the product, as torch computes it. */
 void keel_silu_mul(const void *gu, void *out, int rows, int n, int bf16) {
@@ -671,15 +686,24 @@ static inline __attribute__((always_inline)) void dot_one(
     uint32_t qw[8][64]; /* the queries as pairs of consecutive dims (arrays of the largest shape, not REP × NC:
                          * the compiler keeps fixed-size ones in registers, variable-length ones in memory) */
     for (int r = 0; r < REP; r++) memcpy(qw[r], (const uint16_t *)q + qo + (long)r * D, D * 2);
-    /* prefix scores, 32 keys at a time: keys [D/2, P32] words of this kv head */
+    /* prefix scores, 32 keys at a time: blocks of [D/2, 32] words of this kv head. Meanwhile
+     * the pair's own keys and values (read next, cold in a decode step) are fetched, a share
+     * a block. */
     const uint32_t *kw = (const uint32_t *)pkv + (long)g * (D / 2) * P32;
+    const long own_bytes = (long)L * D * 2;
+    const long share = round_up(own_bytes / (P32 / 32) + 1, 64);
     for (int n = 0; n < P32; n += 32) {
+        for (long c = (long)(n / 32) * share; c < own_bytes && c < (long)(n / 32 + 1) * share; c += 64) {
+            __builtin_prefetch((const char *)k + base * 2 + c);
+            __builtin_prefetch((const char *)v + base * 2 + c);
+        }
+        const uint32_t *blk = kw + (long)n * (D / 2);
         __m512 acc[8][2];
         for (int r = 0; r < REP; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
 #pragma GCC unroll 4
         for (int d2 = 0; d2 < D / 2; d2++) {
-            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kw + (long)d2 * P32 + n);
-            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kw + (long)d2 * P32 + n + 16);
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(blk + d2 * 32);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(blk + d2 * 32 + 16);
 #pragma GCC unroll 8
             for (int r = 0; r < REP; r++) {
                 const __m512bh qq = (__m512bh)_mm512_set1_epi32((int)qw[r][d2]);
@@ -739,8 +763,9 @@ static inline __attribute__((always_inline)) void dot_one(
 }
 #endif
 
-/* keel_decode_attention_amx's inputs, output and prefix layout (P ≥ 1); scratch of
- * keel_attention_scratch(..., 2) floats. Call only where keel_dpbf16() returned 1. */
+/* keel_decode_attention_amx's inputs, output and values' layout, keys in blocks of 32 positions
+ * [KV, P32/32, D/2, 32, 2] (P ≥ 1); scratch of keel_attention_scratch(..., 2) floats. Call only
+ * where keel_dpbf16() returned 1. */
 void keel_decode_attention_dpbf16(const void *q, long q_row, const uint16_t *pkv, const uint16_t *pvv, int P, const void *k,
                                   const void *v, long kv_row, long kv_head, int L, const int64_t *mask, long mask_row,
                                   void *out, float *scratch, int B, int H, int KV, int D, float scale) {

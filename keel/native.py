@@ -47,6 +47,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "keel_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
     "keel_rotary": ([_P, _P, _P, _I, _I, _I, _L, _I], None),
     "keel_silu_mul": ([_P, _P, _I, _I, _I], None),
+    "keel_append_kv": ([_P, _L, _P, _P, _L, _L, _L, _I, _I, _I, _I, _I], None),
     "keel_sample": ([_P, _I, _I, _F, _P, _P, _P, _P], None),
     "keel_decode_attention": ([_P, _L, _P, _P, _I, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F, _I], None),
     "keel_amx": ([], _I),

@@ -132,6 +132,23 @@ def _growing_layer_class():
 
     class _GrowingLayer(DynamicLayer):
         prefix: tuple[torch.Tensor, torch.Tensor] | None = None  # shared prefix K/V [1, kv, P, D] (keel.cascade)
+        _kbuf: torch.Tensor | None = None  # key and value buffers [B, kv, capacity, D]; keys/values: their first columns
+        _vbuf: torch.Tensor | None = None
+
+        def columns(self, new: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+            """(key buffer, value buffer, n): `update` without the copy, for a caller that writes
+            the `new` columns n..n+new of the buffers itself (keel.decode's native step). keys
+            and values now cover n + new columns. None where the buffers are not this layer's
+            keys and values (not yet made, or replaced) or are full: call `update` instead."""
+            buf, keys = self._kbuf, self.keys
+            if buf is None or keys.data_ptr() != buf.data_ptr() or keys.shape[:2] != buf.shape[:2]:
+                return None
+            n = keys.shape[-2]
+            if n + new > buf.shape[-2]:
+                return None
+            self.keys = buf[:, :, : n + new]
+            self.values = self._vbuf[:, :, : n + new]
+            return buf, self._vbuf, n
 
         def get_seq_length(self) -> int:
             return super().get_seq_length() + (self.prefix[0].shape[-2] if self.prefix is not None else 0)
@@ -140,7 +157,7 @@ def _growing_layer_class():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             keys = self.keys
-            buf = getattr(self, "_kbuf", None)
+            buf = self._kbuf
             n = keys.shape[-2] if keys.numel() else 0
             adopted = buf is not None and keys.data_ptr() == buf.data_ptr() and keys.shape[:2] == buf.shape[:2]
             new = key_states.shape[-2]

@@ -246,6 +246,46 @@ def test_decode_steps_on_the_kernels_match_torch_ops(tiny, dtype):
     torch.testing.assert_close(logits["kernels"], logits["torch"], atol=2e-6 if dtype == torch.float32 else 0.03, rtol=0)
 
 
+@needs_lib
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_in_place_append_gives_the_steps_of_the_cache_update(tiny, dtype, monkeypatch):
+    """The native step appends keys and values straight from the q/k/v GEMM's output into the
+    cache's buffers (`rotary_attend`, `_GrowingLayer.columns`); with `columns` refused, the same
+    kernels go through `layer.update`. 300 steps (past the buffers' first capacity of 256, where
+    the in-place path hands over to `update` to grow them): bit-equal logits and caches."""
+    model, tok = _gqa_model(dtype), tiny[1]
+    prompts = [tok.encode("You can call tools. " * 8 + q, add_special_tokens=False) for q in ("Who?", "Where was it born?", "Why not")]
+    real_columns = engine._growing_layer_class().columns
+    used = {"in place": 0, "update": 0}
+
+    def counted(layer, new):
+        got = real_columns(layer, new)
+        used["in place" if got is not None else "update"] += 1
+        return got
+
+    runs = {}
+    for name in ("in place", "update"):
+        monkeypatch.setattr(engine._growing_layer_class(), "columns", counted if name == "in place" else lambda layer, new: None)
+        with torch.no_grad(), engine._cascade_attention(model, True):
+            first, cache, attn = engine._prefill(model, prompts, torch.device("cpu"))
+            decoder = decode.LeanDecoder.build(model)
+            assert isinstance(decoder.ops, decode._NativeOps)
+            positions = attn.sum(1, keepdim=True) - 1
+            tokens, out = first.argmax(-1, keepdim=True), []
+            for _ in range(300):
+                attn = torch.cat([attn, torch.ones(len(prompts), 1, dtype=attn.dtype)], dim=1)
+                positions = positions + 1
+                step = decoder.step(tokens, attn, positions, cache)
+                out.append(step)
+                tokens = step.argmax(-1, keepdim=True)
+        runs[name] = (torch.stack(out), [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+    assert used == {"in place": 2 * 300 - 2, "update": 2}  # two layers, each grown once (by update)
+    assert torch.equal(runs["in place"][0], runs["update"][0])
+    for (k1, v1), (k2, v2) in zip(runs["in place"][1], runs["update"][1]):
+        assert k1.shape == k2.shape and k1.shape[-2] > 300
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 def test_no_compiler_or_a_failed_build_falls_back_to_torch_ops(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("KEEL_CACHE", str(tmp_path))
     native.ops.cache_clear()
