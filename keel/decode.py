@@ -277,14 +277,17 @@ class _NativeOps:
         three, without the per-layer views and copies (~2 ms of Python a step at batch 16, 30
         layers). None, with nothing done, where the layer cannot be appended to in place (its
         buffers full or not made yet): the caller takes the other way."""
+        B, D = qkv.shape[0], head_dim
+        if qkv.stride(1) != 1:
+            raise RuntimeError(f"keel.decode: qkv {tuple(qkv.stride())}: the kernels read rows of contiguous values")
         got = layer.columns(1) if hasattr(layer, "columns") else None
         if got is None:
             return None
         kbuf, vbuf, n = got
-        B, D = qkv.shape[0], head_dim
-        if kbuf.stride() != vbuf.stride() or kbuf.stride()[2:] != (D, 1) or qkv.stride(1) != 1:
-            raise RuntimeError(f"keel.decode: key buffer {tuple(kbuf.stride())}, value buffer {tuple(vbuf.stride())}, qkv "
-                               f"{tuple(qkv.stride())}: the kernels read rows of {D} contiguous values")
+        if kbuf.stride() != vbuf.stride() or kbuf.stride()[2:] != (D, 1):
+            layer.keys, layer.values = kbuf[:, :, :n], vbuf[:, :, :n]  # the column was not written: the layer as it was
+            raise RuntimeError(f"keel.decode: key buffer {tuple(kbuf.stride())}, value buffer {tuple(vbuf.stride())}: the "
+                               f"kernels read rows of {D} contiguous values")
         row = qkv.stride(0)
         self.lib.keel_rotary(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), B, heads + kv_heads, D, row, self.bf16)
         self.lib.keel_append_kv(qkv.data_ptr(), row, kbuf.data_ptr(), vbuf.data_ptr(), kbuf.stride(0), kbuf.stride(1), n, B, heads,
