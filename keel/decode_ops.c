@@ -35,6 +35,24 @@ static inline float hsum(v16 v) { /* a tree of halves: 4 shuffles and adds, not 
     return t[0];
 }
 
+/* lane t = hsum(v[t]) for 16 vectors, bit for bit (the same tree of halves for each: lanes i
+ * and i+8, then i and i+4, then i and i+2, then the two left), as 15 adds over lanes of two keys,
+ * then four, eight and sixteen keys at once rather than 64 adds in 16 separate trees */
+static inline v16 hsum16(const v16 v[16]) {
+    v16 x[8], y[4], z[2];
+    for (int p = 0; p < 8; p++) /* lanes 0-7: key 2p's i + (i+8); 8-15: key 2p+1's */
+        x[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int u = 0; u < 4; u++) /* lanes 4k..4k+3: key 4u+k's i + (i+4) */
+        y[u] = __builtin_shufflevector(x[2 * u], x[2 * u + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+               + __builtin_shufflevector(x[2 * u], x[2 * u + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int w = 0; w < 2; w++) /* lanes 2k, 2k+1: key 8w+k's i + (i+2) */
+        z[w] = __builtin_shufflevector(y[2 * w], y[2 * w + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29)
+               + __builtin_shufflevector(y[2 * w], y[2 * w + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+           + __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 /* 16 values of a row in the dtype, stored from fp32 (rounded to nearest even, as torch rounds; a
@@ -236,14 +254,36 @@ static inline int own_keys(const int64_t *m, int L) { return L > 0 && !m[L - 1] 
 
 /* The scores of row b's visible own keys j < L for its REP query heads: S[r*W + j] = qv[r] · k_j
  * (qv: the queries times the scale, fp32; keys in the dtype at k + base + j*D), fp32 FMAs, the
- * keys and values ahead prefetched; hidden keys' entries are left as they are. Arrays are of the
+ * keys and values ahead prefetched; 16 keys at a time through hsum16, where hidden keys get a
+ * score too (the callers set theirs to -inf), the last L mod 16 one at a time, hidden ones left
+ * as they are. Arrays are of the
  * largest shape, [8][8], not REP × NC: the compiler keeps fixed-size ones in registers,
  * variable-length ones in memory. */
 static inline __attribute__((always_inline)) void own_scores(const int REP, const int NC, const v16 qv[8][8], const void *k,
                                                              const void *v, long base, int L, const int64_t *m, float *S,
                                                              long W, int bf16) {
     const int D = NC * 16;
-    for (int j = 0; j < L; j++) {
+    int j = 0;
+    /* 16 keys at a time, masked ones too (the caller sets their scores to -inf), each score
+     * summed exactly as below */
+    for (; j + 16 <= L; j += 16) {
+        v16 acc[8][16];
+        for (int t = 0; t < 16; t++) {
+            prefetch_own(k, v, base, j + t, D, bf16 ? 2 : 4);
+            v16 a[8];
+            for (int r = 0; r < REP; r++) a[r] = (v16){0};
+            for (int c = 0; c < NC; c++) {
+                v16 kc = load16(k, base + (long)(j + t) * D + c * 16, bf16);
+                for (int r = 0; r < REP; r++) a[r] += qv[r][c] * kc;
+            }
+            for (int r = 0; r < REP; r++) acc[r][t] = a[r];
+        }
+        for (int r = 0; r < REP; r++) {
+            const v16 sums = hsum16(acc[r]);
+            memcpy(S + (long)r * W + j, &sums, sizeof sums);
+        }
+    }
+    for (; j < L; j++) {
         prefetch_own(k, v, base, j, D, bf16 ? 2 : 4);
         if (!m[j]) continue;
         v16 acc[8];
