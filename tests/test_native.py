@@ -216,6 +216,30 @@ def test_rollouts_on_the_kernels_match_rollouts_on_torch_ops(tiny, monkeypatch):
     assert sum(t.num_policy_tokens for t in on_kernels) > 40
 
 
+PROMPTS = ("You can call tools. " * 8 + "Who?", "You can call tools. " * 8 + "Where was it born?", "You can call tools. " * 8 + "Why not")
+
+
+def _decode_steps(model, tok, steps: int, next_tokens, torch_ops: bool = False):
+    """(logits [steps, 3, V], the cache) of `steps` decode steps after prefilling PROMPTS (a shared
+    prefix, ragged questions); `next_tokens(logits [3, V])` gives each step's input ids [3, 1]."""
+    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    with torch.no_grad(), engine._cascade_attention(model, True):
+        first, cache, attn = engine._prefill(model, prompts, torch.device("cpu"))
+        assert cache.layers[0].prefix is not None  # the shared-prefix path of the attention
+        decoder = decode.LeanDecoder.build(model)
+        assert isinstance(decoder.ops, decode._NativeOps)
+        if torch_ops:
+            decoder.ops = decode._TorchOps(decoder.eps)
+        positions = attn.sum(1, keepdim=True) - 1
+        tokens, out = first.argmax(-1, keepdim=True), []
+        for _ in range(steps):
+            attn = torch.cat([attn, torch.ones(len(prompts), 1, dtype=attn.dtype)], dim=1)
+            positions = positions + 1
+            out.append(decoder.step(tokens, attn, positions, cache))
+            tokens = next_tokens(out[-1])
+    return torch.stack(out), cache
+
+
 @needs_lib
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_steps_on_the_kernels_match_torch_ops(tiny, dtype):
@@ -223,26 +247,13 @@ def test_decode_steps_on_the_kernels_match_torch_ops(tiny, dtype):
     kernels and on torch ops: logits within 2e-6 (fp32; 3e-7 measured) or 0.03 (bf16: four units
     in the last place of the logits here, which span about ±1.5; one unit measured, with the AMX
     attention kernel as without)."""
-    model, tok = _gqa_model(dtype), tiny[1]
-    prompts = [tok.encode("You can call tools. " * 8 + q, add_special_tokens=False) for q in ("Who?", "Where was it born?", "Why not")]
-    logits = {}
-    for name in ("kernels", "torch"):
-        with torch.no_grad(), engine._cascade_attention(model, True):
-            first, cache, attn = engine._prefill(model, prompts, torch.device("cpu"))
-            assert cache.layers[0].prefix is not None  # the shared-prefix path of the attention
-            decoder = decode.LeanDecoder.build(model)
-            if name == "torch":
-                decoder.ops = decode._TorchOps(decoder.eps)
-            positions = attn.sum(1, keepdim=True) - 1
-            tokens, out = first.argmax(-1, keepdim=True), []
-            for _ in range(3):
-                attn = torch.cat([attn, torch.ones(len(prompts), 1, dtype=attn.dtype)], dim=1)
-                positions = positions + 1
-                step = decoder.step(tokens, attn, positions, cache)
-                out.append(step)
-                tokens = torch.tensor([[7], [8], [9]])  # fixed inputs: both sides see the same ids
-            logits[name] = torch.stack(out)
-    assert logits["kernels"].shape == logits["torch"].shape == (3, len(prompts), model.config.vocab_size)
+    model = _gqa_model(dtype)
+
+    def fixed(logits):  # both sides see the same ids
+        return torch.tensor([[7], [8], [9]])
+
+    logits = {name: _decode_steps(model, tiny[1], 3, fixed, torch_ops=name == "torch")[0] for name in ("kernels", "torch")}
+    assert logits["kernels"].shape == logits["torch"].shape == (3, len(PROMPTS), model.config.vocab_size)
     torch.testing.assert_close(logits["kernels"], logits["torch"], atol=2e-6 if dtype == torch.float32 else 0.03, rtol=0)
 
 
@@ -253,8 +264,7 @@ def test_the_in_place_append_gives_the_steps_of_the_cache_update(tiny, dtype, mo
     cache's buffers (`rotary_attend`, `_GrowingLayer.columns`); with `columns` refused, the same
     kernels go through `layer.update`. 300 steps (past the buffers' first capacity of 256, where
     the in-place path hands over to `update` to grow them): bit-equal logits and caches."""
-    model, tok = _gqa_model(dtype), tiny[1]
-    prompts = [tok.encode("You can call tools. " * 8 + q, add_special_tokens=False) for q in ("Who?", "Where was it born?", "Why not")]
+    model = _gqa_model(dtype)
     real_columns = engine._growing_layer_class().columns
     used = {"in place": 0, "update": 0}
 
@@ -266,19 +276,8 @@ def test_the_in_place_append_gives_the_steps_of_the_cache_update(tiny, dtype, mo
     runs = {}
     for name in ("in place", "update"):
         monkeypatch.setattr(engine._growing_layer_class(), "columns", counted if name == "in place" else lambda layer, new: None)
-        with torch.no_grad(), engine._cascade_attention(model, True):
-            first, cache, attn = engine._prefill(model, prompts, torch.device("cpu"))
-            decoder = decode.LeanDecoder.build(model)
-            assert isinstance(decoder.ops, decode._NativeOps)
-            positions = attn.sum(1, keepdim=True) - 1
-            tokens, out = first.argmax(-1, keepdim=True), []
-            for _ in range(300):
-                attn = torch.cat([attn, torch.ones(len(prompts), 1, dtype=attn.dtype)], dim=1)
-                positions = positions + 1
-                step = decoder.step(tokens, attn, positions, cache)
-                out.append(step)
-                tokens = step.argmax(-1, keepdim=True)
-        runs[name] = (torch.stack(out), [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+        logits, cache = _decode_steps(model, tiny[1], 300, lambda step: step.argmax(-1, keepdim=True))
+        runs[name] = (logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
     assert used == {"in place": 2 * 300 - 2, "update": 2}  # two layers, each grown once (by update)
     assert torch.equal(runs["in place"][0], runs["update"][0])
     for (k1, v1), (k2, v2) in zip(runs["in place"][1], runs["update"][1]):
