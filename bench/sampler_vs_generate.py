@@ -26,7 +26,10 @@ bench's batch and each dtype — every weight matrix once, LM head included, one
 element, each weight laid out as Keel's decode step lays it out (`keel.decode.laid_out`: the
 weights in oneDNN's blocked format, bf16 where its bf16 kernels exist, fp32 at batch 4 or more) — the floor any decode engine
 built on these GEMM kernels has per step, with the time the weights alone take to stream at (a), and (c) Keel's decode step (rollout time minus
-prefill, per new token), as ratios to (b).
+prefill, per new token), as ratios to (b). (b) is measured right after each Keel rollout of its
+dtype, and `decode_step_vs_linears_*` is the median over repetitions of each rollout's step over
+the floor measured next to it (the machine's speed drifts by several percent between minutes;
+one floor measured at the end made that ratio move by ±0.04 between runs).
 Ends with `speedup_vs_generate=<ratio>` (shipped engine vs generate, both fp32).
 """
 
@@ -171,10 +174,14 @@ def main() -> None:
         time_keel(m, tok, env, tasks[:2], 4, 0)
         time_generate(m, tok, prompts[:2], 4, 0)
     times: dict[str, list[float]] = {k: [] for k in variants}
+    floors: dict[str, list[float]] = {dt: [] for dt in models}  # the linears alone, right after each Keel rollout
     for rep in range(args.reps):
         for name, fn in variants.items():
             times[name].append(fn(rep))
             print(f"  rep {rep} {name:26s} {times[name][-1]:7.2f} s", flush=True)
+            dt = name.split()[1]
+            if name == f"keel {dt}":  # paired with its decode steps: the machine's speed drifts between minutes
+                floors[dt].append(linears_only_s(models[dt], args.batch)[0])
     n_tokens = args.batch * args.new_tokens
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n{'variant':26s} {'median s':>9s} {'tokens/s':>9s} {'vs generate (same dtype)':>25s}")
@@ -189,12 +196,14 @@ def main() -> None:
     bandwidth = memory_bandwidth()
     print(f"\nthe limit, measured now: memory bandwidth {bandwidth / 1e9:.1f} GB/s (256 MB copy)")
     for dt, m in models.items():
-        floor, weight_bytes = linears_only_s(m, args.batch)
-        step = statistics.median(DECODE_S[dt])
+        weight_bytes = sum(w.weight.numel() * w.weight.element_size() for w in m.modules() if isinstance(w, torch.nn.Linear))
+        floor, step = statistics.median(floors[dt]), statistics.median(DECODE_S[dt])
+        ratios = [s / f for s, f in zip(DECODE_S[dt], floors[dt])]  # each rep's decode step over the floor measured right after it
         print(f"  {dt}: linears alone at batch {args.batch} {floor * 1e3:.1f} ms ({weight_bytes / 1e6:.0f} MB of weights: "
-              f"{weight_bytes / bandwidth * 1e3:.1f} ms at bandwidth); Keel decode step {step * 1e3:.1f} ms")
+              f"{weight_bytes / bandwidth * 1e3:.1f} ms at bandwidth); Keel decode step {step * 1e3:.1f} ms; per rep "
+              f"{', '.join(f'{s * 1e3:.1f} / {f * 1e3:.1f} ms' for s, f in zip(DECODE_S[dt], floors[dt]))}")
         print(f"linears_vs_bandwidth_{dt}={floor / (weight_bytes / bandwidth):.2f}")
-        print(f"decode_step_vs_linears_{dt}={step / floor:.2f}")
+        print(f"decode_step_vs_linears_{dt}={statistics.median(ratios):.2f}")
     print(f"speedup_vs_generate={med['generate fp32'] / med['keel fp32']:.2f}")
     sys.stdout.flush()
 
