@@ -72,6 +72,7 @@ def keel_step(model, ref, tok, env, tasks, args, seed: int) -> dict:
     from keel.config import Config
     from keel.losses import group_advantages
     from keel.memory import release_free_memory
+    from keel.models import adamw
     from keel.rollout import SamplingParams, rollout
     from keel.train import grpo_update
 
@@ -79,7 +80,7 @@ def keel_step(model, ref, tok, env, tasks, args, seed: int) -> dict:
     cfg.grpo.kl_coef = 1e-4
     rows = [t for t in tasks for _ in range(args.group)]
     groups = [k for k in range(len(tasks)) for _ in range(args.group)]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = adamw(model.parameters(), lr=1e-6)  # the trainer's optimizer (fused where torch has it)
     cfg.model.autocast = args.bf16
     t0 = time.perf_counter()
     sampler = model
@@ -113,11 +114,12 @@ def update_floor(model, ref, tok, args) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from keel.models import adamw
     from keel.train import grpo_update
     from train_flops import ATTENTION_FLOPS, gemm_peak
 
     trajs, adv, cfg = keel_step.last
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = adamw(model.parameters(), lr=1e-6)
     counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
     with counter:
         grpo_update(model, ref, opt, trajs, adv, cfg.grpo, tok.pad_token_id, 1.0, old_from_policy=[args.bf16] * len(trajs),

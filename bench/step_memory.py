@@ -52,7 +52,7 @@ def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int 
     from keel.kg.synth import generate_splits
     from keel.losses import group_advantages
     from keel.memory import release_free_memory
-    from keel.models import load_model
+    from keel.models import adamw, load_model
     from keel.rollout import SamplingParams, rollout
     from keel.train import grpo_update
 
@@ -98,7 +98,7 @@ def child(variant: str, prompts: int, group: int, threads: int, ckpt_micro: int 
     out["policy_tokens"] = sum(t.num_policy_tokens for t in trajs)
     rewards = torch.tensor([float(i % 2) for i in range(len(trajs))])
     adv = group_advantages(rewards, torch.tensor(groups))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    opt = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-6)  # the trainer's optimizer
     t0 = time.perf_counter()
     stats = grpo_update(model, ref, opt, trajs, adv, cfg.grpo, tok.pad_token_id, 1.0, max_tokens=cfg.model.max_tokens_per_micro_batch)
     out["update_s"] = time.perf_counter() - t0

@@ -37,7 +37,7 @@ from keel.config import Config
 from keel.kg.env import KGEnv
 from keel.kg.synth import generate_splits
 from keel.logprobs import collate, token_logprobs
-from keel.models import load_model
+from keel.models import adamw, load_model
 from keel.sft import gold_trajectory
 from keel.train import grpo_update
 from keel.types import Source
@@ -106,7 +106,7 @@ def make_batch(model, tok, n: int, seed: int = 0):
 
 
 def update_once(model, ref, trajs, adv, cfg, pad_id, autocast: bool) -> float:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = adamw(model.parameters(), lr=1e-6)  # the trainer's optimizer (fused where torch has it)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     t0 = time.perf_counter()
     with ctx:
