@@ -65,22 +65,32 @@ def kg_tasks(n: int):
 # --------------------------------------------------------------------------------------------
 # Keel side
 # --------------------------------------------------------------------------------------------
-def keel_step(model, ref, tok, env, tasks, args, seed: int) -> dict:
+def keel_update(model, ref, tok, batch, args) -> dict:
+    """One `grpo_update` of the policy on batch = (trajectories, advantages, config), with the
+    trainer's optimizer and the bench's precision (old log-probs from the policy under --bf16)."""
+    from keel.models import adamw
+    from keel.train import grpo_update
+
+    trajs, adv, cfg = batch
+    opt = adamw(model.parameters(), lr=1e-6)  # the trainer's optimizer (fused where torch has it)
+    return grpo_update(model, ref, opt, trajs, adv, cfg.grpo, tok.pad_token_id, 1.0, old_from_policy=[args.bf16] * len(trajs),
+                       autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
+
+
+def keel_step(model, ref, tok, env, tasks, args, seed: int) -> tuple[dict, tuple]:
+    """(times and token counts of one step, its update's batch for `update_floor`)."""
     import torch
 
     from keel.answers import exact_match
     from keel.config import Config
     from keel.losses import group_advantages
     from keel.memory import release_free_memory
-    from keel.models import adamw
     from keel.rollout import SamplingParams, rollout
-    from keel.train import grpo_update
 
     cfg = Config()
     cfg.grpo.kl_coef = 1e-4
     rows = [t for t in tasks for _ in range(args.group)]
     groups = [k for k in range(len(tasks)) for _ in range(args.group)]
-    opt = adamw(model.parameters(), lr=1e-6)  # the trainer's optimizer (fused where torch has it)
     cfg.model.autocast = args.bf16
     t0 = time.perf_counter()
     sampler = model
@@ -93,18 +103,16 @@ def keel_step(model, ref, tok, env, tasks, args, seed: int) -> dict:
     release_free_memory()  # as the trainer does between its rollout and its update
     t1 = time.perf_counter()
     cfg.grpo.skip_zero_advantage = False  # TRL forwards every completion; so does Keel here
-    grpo_update(model, ref, opt, trajs, adv, cfg.grpo, tok.pad_token_id, 1.0, old_from_policy=[args.bf16] * len(trajs),
-                autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
+    keel_update(model, ref, tok, (trajs, adv, cfg), args)
     t2 = time.perf_counter()
     from keel.types import Source
 
-    keel_step.last = (trajs, adv, cfg)  # for `update_floor`: the same update, counted
     return {"step_s": t2 - t0, "rollout_s": t1 - t0, "update_s": t2 - t1, "generated_tokens": sum(tr.num_policy_tokens for tr in trajs),
             "tool_tokens": sum(1 for tr in trajs for s in tr.sources if s == Source.TOOL),
-            "tool_calls": sum(len(tr.steps) for tr in trajs), "turns": sum(len(tr.turn_spans) for tr in trajs)}
+            "tool_calls": sum(len(tr.steps) for tr in trajs), "turns": sum(len(tr.turn_spans) for tr in trajs)}, (trajs, adv, cfg)
 
 
-def update_floor(model, ref, tok, args) -> dict:
+def update_floor(model, ref, tok, batch, args) -> dict:
     """The last Keel step's update again (its trajectories and advantages; one more optimizer
     step on the policy, after every timed one), its FLOPs counted: every matmul forward and
     backward (torch's FlopCounterMode) plus the CPU flash attention's visible query–key pairs
@@ -114,16 +122,11 @@ def update_floor(model, ref, tok, args) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from keel.models import adamw
-    from keel.train import grpo_update
     from train_flops import ATTENTION_FLOPS, gemm_peak
 
-    trajs, adv, cfg = keel_step.last
-    opt = adamw(model.parameters(), lr=1e-6)
     counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
     with counter:
-        grpo_update(model, ref, opt, trajs, adv, cfg.grpo, tok.pad_token_id, 1.0, old_from_policy=[args.bf16] * len(trajs),
-                    autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
+        keel_update(model, ref, tok, batch, args)
     flops = counter.get_total_flops()
     peak = gemm_peak(torch.bfloat16 if args.bf16 else torch.float32)
     return {"flops": flops, "peak": peak, "floor_s": flops / peak}
@@ -278,7 +281,8 @@ def main() -> None:
     print(f"{args.prompts} prompts × {args.group} generations, ≤ {args.new_tokens} tokens, ≤ {args.turns} turns, threads {args.threads}, "
           f"model {args.model}, {'bf16' if args.bf16 else 'fp32'}", flush=True)
     keel_step(model, ref, tok, env, tasks, args, seed=100)  # warm-up
-    keel_runs = [keel_step(model, ref, tok, env, tasks, args, seed=0)]
+    stats, batch = keel_step(model, ref, tok, env, tasks, args, seed=0)
+    keel_runs = [stats]
     print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in keel_runs[-1].items()})}", flush=True)
     cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
            "--turns", str(args.turns), "--reps", str(args.reps), "--threads", str(args.threads), "--model", args.model] + (["--bf16"] if args.bf16 else [])
@@ -289,7 +293,8 @@ def main() -> None:
         sys.exit(f"grpo_vs_trl: the TRL subprocess failed (exit {proc.returncode}):\n{tail}")
     trl = json.loads(line[len("TRL_RESULT "):])
     for rep in range(1, args.reps):  # interleave further Keel steps after TRL's
-        keel_runs.append(keel_step(model, ref, tok, env, tasks, args, seed=rep))
+        stats, batch = keel_step(model, ref, tok, env, tasks, args, seed=rep)
+        keel_runs.append(stats)
     trl_times = trl["step_times_s"][1:]  # step 1 is TRL's warm-up
     for h in trl["log"]:
         print(f"  trl log: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in h.items() if k.startswith(('completions/', 'tools/', 'num_tokens', 'reward'))})}")
@@ -299,7 +304,7 @@ def main() -> None:
           f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s, {keel_runs[0]['generated_tokens']} generated tokens, "
           f"{keel_runs[0]['tool_tokens']} tool-response tokens, {keel_runs[0]['tool_calls']} tool calls)")
     print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first = warm-up)")
-    floor = update_floor(model, ref, tok, args)
+    floor = update_floor(model, ref, tok, batch, args)
     update_t = statistics.median(r["update_s"] for r in keel_runs)
     kind = "bf16" if args.bf16 else "fp32"
     print(f"\nthe limit, measured now: Keel's update does {floor['flops'] / 1e12:.2f} TFLOP (matmuls and attention, counted); "

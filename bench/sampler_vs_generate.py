@@ -175,13 +175,15 @@ def main() -> None:
         time_generate(m, tok, prompts[:2], 4, 0)
     times: dict[str, list[float]] = {k: [] for k in variants}
     floors: dict[str, list[float]] = {dt: [] for dt in models}  # the linears alone, right after each Keel rollout
+    weight_bytes: dict[str, int] = {}
     for rep in range(args.reps):
         for name, fn in variants.items():
             times[name].append(fn(rep))
             print(f"  rep {rep} {name:26s} {times[name][-1]:7.2f} s", flush=True)
             dt = name.split()[1]
             if name == f"keel {dt}":  # paired with its decode steps: the machine's speed drifts between minutes
-                floors[dt].append(linears_only_s(models[dt], args.batch)[0])
+                floor, weight_bytes[dt] = linears_only_s(models[dt], args.batch)
+                floors[dt].append(floor)
     n_tokens = args.batch * args.new_tokens
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"\n{'variant':26s} {'median s':>9s} {'tokens/s':>9s} {'vs generate (same dtype)':>25s}")
@@ -195,14 +197,13 @@ def main() -> None:
         print(f"speedup_keel_bf16_vs_generate_fp32={med['generate fp32'] / med['keel bf16']:.2f}")
     bandwidth = memory_bandwidth()
     print(f"\nthe limit, measured now: memory bandwidth {bandwidth / 1e9:.1f} GB/s (256 MB copy)")
-    for dt, m in models.items():
-        weight_bytes = sum(w.weight.numel() * w.weight.element_size() for w in m.modules() if isinstance(w, torch.nn.Linear))
+    for dt in models:
         floor, step = statistics.median(floors[dt]), statistics.median(DECODE_S[dt])
         ratios = [s / f for s, f in zip(DECODE_S[dt], floors[dt])]  # each rep's decode step over the floor measured right after it
-        print(f"  {dt}: linears alone at batch {args.batch} {floor * 1e3:.1f} ms ({weight_bytes / 1e6:.0f} MB of weights: "
-              f"{weight_bytes / bandwidth * 1e3:.1f} ms at bandwidth); Keel decode step {step * 1e3:.1f} ms; per rep "
+        print(f"  {dt}: linears alone at batch {args.batch} {floor * 1e3:.1f} ms ({weight_bytes[dt] / 1e6:.0f} MB of weights: "
+              f"{weight_bytes[dt] / bandwidth * 1e3:.1f} ms at bandwidth); Keel decode step {step * 1e3:.1f} ms; per rep "
               f"{', '.join(f'{s * 1e3:.1f} / {f * 1e3:.1f} ms' for s, f in zip(DECODE_S[dt], floors[dt]))}")
-        print(f"linears_vs_bandwidth_{dt}={floor / (weight_bytes / bandwidth):.2f}")
+        print(f"linears_vs_bandwidth_{dt}={floor / (weight_bytes[dt] / bandwidth):.2f}")
         print(f"decode_step_vs_linears_{dt}={statistics.median(ratios):.2f}")
     print(f"speedup_vs_generate={med['generate fp32'] / med['keel fp32']:.2f}")
     sys.stdout.flush()

@@ -283,11 +283,7 @@ class _NativeOps:
         got = layer.columns(1) if hasattr(layer, "columns") else None
         if got is None:
             return None
-        kbuf, vbuf, n = got
-        if kbuf.stride() != vbuf.stride() or kbuf.stride()[2:] != (D, 1):
-            layer.keys, layer.values = kbuf[:, :, :n], vbuf[:, :, :n]  # the column was not written: the layer as it was
-            raise RuntimeError(f"keel.decode: key buffer {tuple(kbuf.stride())}, value buffer {tuple(vbuf.stride())}: the "
-                               f"kernels read rows of {D} contiguous values")
+        kbuf, vbuf, n = got  # `update`'s own buffers: contiguous [B, KV, capacity, D], both of one shape
         row = qkv.stride(0)
         self.lib.keel_rotary(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), B, heads + kv_heads, D, row, self.bf16)
         self.lib.keel_append_kv(qkv.data_ptr(), row, kbuf.data_ptr(), vbuf.data_ptr(), kbuf.stride(0), kbuf.stride(1), n, B, heads,
