@@ -823,3 +823,322 @@ void keel_decode_attention_dpbf16(const void *q, long q_row, const uint16_t *pkv
     }
 #endif
 }
+
+/* ---- bf16 training attention: keel.logprobs' forwards and backwards under bf16 autocast ----
+ *
+ * Causal grouped-query attention where query row t of batch row b sees keys 0 .. n[b,t]-1 (the
+ * masks keel.logprobs builds: a causal offset by the cached prefix, right padding), for q
+ * [B, H, Tq, D], k and v [B, KV, Tk, D] and the output [B, Tq, H, D], all bf16 and contiguous.
+ * FlashAttention-2's arithmetic, with whole score rows in place of its online softmax (a row of
+ * ≤ a few thousand keys fits in cache): the five products as AVX512-BF16 dot products of bf16
+ * pairs into fp32 sums, the softmax in fp32, the probabilities rounded to bf16 before they
+ * multiply the values, the forward keeping each row's log-sum-exp for the backward, which
+ * recomputes the probabilities from it (dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O)), rounded to bf16
+ * before its two products). Work goes in blocks of TA_POS query positions × the H/KV query
+ * heads of one kv head, so the keys and values are read once per block and the causal limit
+ * cuts each block's columns to its widest row. */
+#define TA_POS 16
+
+#ifdef _OPENMP
+#include <omp.h>
+#define TA_THREAD omp_get_thread_num()
+#else
+#define TA_THREAD 0
+#endif
+
+#ifdef KEEL_DPBF16
+/* C[MR, 16·NR] (+)= A[MR, 2·K2] · B[2·K2, 16·NR] in fp32: A bf16 rows (row r at A + r·lda, its
+ * pairs of consecutive columns), B words of bf16 pairs along the sum (pair k2 of column n at
+ * B[k2·ldb + n]) */
+static inline __attribute__((always_inline)) void ta_tile(const int MR, const int NR, const uint16_t *A, long lda,
+                                                          const uint32_t *B, long ldb, float *C, long ldc, int K2, int acc) {
+    __m512 c[8][4];
+    for (int r = 0; r < MR; r++)
+        for (int n = 0; n < NR; n++) c[r][n] = acc ? _mm512_loadu_ps(C + r * ldc + 16 * n) : _mm512_setzero_ps();
+    for (int k2 = 0; k2 < K2; k2++) {
+        __m512bh b[4];
+        for (int n = 0; n < NR; n++) b[n] = (__m512bh)_mm512_loadu_si512(B + (long)k2 * ldb + 16 * n);
+        for (int r = 0; r < MR; r++) {
+            uint32_t w;
+            memcpy(&w, A + r * lda + 2 * k2, sizeof w);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)w);
+            for (int n = 0; n < NR; n++) c[r][n] = _mm512_dpbf16_ps(c[r][n], a, b[n]);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int n = 0; n < NR; n++) _mm512_storeu_ps(C + r * ldc + 16 * n, c[r][n]);
+}
+
+#define TA_NR(MR, nr)                                                                                   \
+    switch (nr) {                                                                                       \
+    case 1: ta_tile(MR, 1, A + m * lda, lda, B + n, ldb, C + m * ldc + n, ldc, K2, acc); break;       \
+    case 2: ta_tile(MR, 2, A + m * lda, lda, B + n, ldb, C + m * ldc + n, ldc, K2, acc); break;       \
+    case 3: ta_tile(MR, 3, A + m * lda, lda, B + n, ldb, C + m * ldc + n, ldc, K2, acc); break;       \
+    default: ta_tile(MR, 4, A + m * lda, lda, B + n, ldb, C + m * ldc + n, ldc, K2, acc); break;      \
+    }
+
+/* C[M, N] (+)= A[M, 2·K2] · B as ta_tile, N a multiple of 16: tiles of 6 rows × 64 columns (24 of
+ * the 32 vector registers as sums), or of 8 rows × 48 where M is a multiple of 8 */
+static void ta_gemm(const uint16_t *A, long lda, const uint32_t *B, long ldb, float *C, long ldc, int M, int N, int K2, int acc) {
+    const int rows = M % 8 == 0 ? 8 : 6, NRmax = rows == 8 ? 3 : 4;
+    for (int n = 0; n < N; n += 16 * NRmax) {
+        const int nr = (N - n) / 16 < NRmax ? (N - n) / 16 : NRmax;
+        for (int m = 0; m < M; m += rows) {
+            switch (M - m < rows ? M - m : rows) {
+            case 1: TA_NR(1, nr); break;
+            case 2: TA_NR(2, nr); break;
+            case 3: TA_NR(3, nr); break;
+            case 4: TA_NR(4, nr); break;
+            case 5: TA_NR(5, nr); break;
+            case 6: TA_NR(6, nr); break;
+            case 7: TA_NR(7, nr); break;
+            default: TA_NR(8, nr); break;
+            }
+        }
+    }
+}
+#undef TA_NR
+
+/* round-to-nearest-even bf16 bits of 16 floats, in the low halves of 16 words (NaN kept) */
+static inline v16u ta_bf16_bits(v16 f) {
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (v16u)(((v16i)r & ~nan) | ((v16i)((u >> 16) | 0x40u) & nan));
+}
+
+/* keys or values of one kv head (n rows of D bf16) as the B operand of a product that sums over
+ * their D columns: [D/2][ldb] words, word (d2, j) = row j's columns 2·d2, 2·d2+1; rows n..ldb-1 zero */
+static void ta_pack_cols(const uint16_t *x, int n, int D, uint32_t *dst, long ldb) {
+    for (int d2 = 0; d2 < D / 2; d2++) {
+        uint32_t *o = dst + (long)d2 * ldb;
+        for (int j = 0; j < n; j++) memcpy(o + j, x + (long)j * D + 2 * d2, 4);
+        for (long j = n; j < ldb; j++) o[j] = 0;
+    }
+}
+
+/* n rows of D bf16 as the B operand of a product that sums over the rows: [rows2/2][D] words, word
+ * (j2, d) = rows 2·j2 and 2·j2+1 of column d; rows n..rows2-1 zero */
+static void ta_pack_rows(const uint16_t *x, int n, int D, uint32_t *dst, int rows2) {
+    for (int j2 = 0; j2 < rows2 / 2; j2++)
+        for (int d = 0; d < D; d++) {
+            const uint32_t lo = 2 * j2 < n ? x[(long)2 * j2 * D + d] : 0, hi = 2 * j2 + 1 < n ? x[(long)(2 * j2 + 1) * D + d] : 0;
+            dst[(long)j2 * D + d] = lo | hi << 16;
+        }
+}
+
+/* a block's query rows, row r = (t - t0)·rep + h of kv head g, gathered from x (q: [B, H, Tq, D];
+ * the output's gradient: [B, Tq, H, D] when `by_pos`) into R2 contiguous rows (the last zero when
+ * R is odd) */
+static void ta_gather(const uint16_t *x, int by_pos, int b, int g, int t0, int t1, int rep, int H, int Tq, int D, uint16_t *dst, int R2) {
+    int r = 0;
+    for (int t = t0; t < t1; t++)
+        for (int h = 0; h < rep; h++, r++) {
+            const int head = g * rep + h;
+            const long src = by_pos ? (((long)b * Tq + t) * H + head) * D : (((long)b * H + head) * Tq + t) * D;
+            memcpy(dst + (long)r * D, x + src, (size_t)D * 2);
+        }
+    for (; r < R2; r++) memset(dst + (long)r * D, 0, (size_t)D * 2);
+}
+
+/* x [R2][D] bf16 → [D][R2] bf16 (the A operand of a product that sums over the block's rows) */
+static void ta_transpose(const uint16_t *x, int R2, int D, uint16_t *dst) {
+    for (int r = 0; r < R2; r++)
+        for (int d = 0; d < D; d++) dst[(long)d * R2 + r] = x[(long)r * D + d];
+}
+
+static inline int ta_block_cols(const int32_t *n, int t0, int t1) {
+    int w = 0;
+    for (int t = t0; t < t1; t++) w = n[t] > w ? n[t] : w;
+    return (int)round_up(w, 16);
+}
+#endif
+
+/* floats of scratch keel_train_attention (backward 0) or keel_train_attention_backward (1) needs
+ * with `threads` threads */
+long keel_train_attention_scratch(int B, int H, int KV, int Tk, int D, int threads, int backward) {
+    const long rep = H / KV, R2 = round_up(rep * TA_POS, 2), K16 = round_up(Tk, 16);
+    if (!backward) /* packs per (row, kv head): keys [D/2][K16], values [K16/2][D] words; per thread:
+                    * gathered queries, scores, bf16 probabilities, output sums */
+        return (long)B * KV * K16 * D + threads * (R2 * D / 2 + R2 * K16 + R2 * K16 / 2 + R2 * D);
+    /* per thread: keys [D/2][K16] and [K16/2][D], values [D/2][K16] words; the keys' and values'
+     * gradients transposed [D][K16]; queries, output gradient and their transposes; scores and
+     * dO·Vᵀ; probabilities and dS as row pairs; dS as rows; the queries' gradient; deltas */
+    return threads * (3 * K16 * D / 2 + 2 * D * K16 + 2 * R2 * D + 2 * R2 * K16 + R2 * K16 + R2 * K16 / 2 + R2 * D + R2);
+}
+
+/* out[b, t, h] = softmax_j<n[b,t](scale · q[b,h,t] · k[b,g,j]) · v[b,g,j] (g = h / (H/KV)) in bf16,
+ * lse[b, h, t] its log-sum-exp (NULL: not kept). Call only where keel_dpbf16() returned 1; every
+ * n[b, t] in 1..Tk; D a multiple of 32. */
+void keel_train_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *n, uint16_t *out, float *lse,
+                          float *scratch, int threads, int B, int H, int KV, int Tq, int Tk, int D, float scale) {
+#ifdef KEEL_DPBF16
+    const int rep = H / KV, R2 = (int)round_up(rep * TA_POS, 2), K16 = (int)round_up(Tk, 16), blocks = (Tq + TA_POS - 1) / TA_POS;
+    const long pack = (long)K16 * D; /* words of one pair's two packs */
+    const long per_thread = (long)R2 * D / 2 + (long)R2 * K16 + (long)R2 * K16 / 2 + (long)R2 * D;
+    float *thread_base = scratch + (long)B * KV * pack;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int item = 0; item < B * KV; item++) {
+            const long kv = (long)item * Tk * D; /* item = b·KV + g: k's layout */
+            uint32_t *kt = (uint32_t *)scratch + item * pack, *vp = kt + pack / 2;
+            ta_pack_cols(k + kv, Tk, D, kt, K16);
+            ta_pack_rows(v + kv, Tk, D, vp, K16);
+        }
+        float *mine = thread_base + TA_THREAD * per_thread;
+        uint16_t *qc = (uint16_t *)mine;
+        float *S = mine + (long)R2 * D / 2, *O = S + (long)R2 * K16 + (long)R2 * K16 / 2;
+        uint16_t *Pb = (uint16_t *)(S + (long)R2 * K16);
+#pragma omp for schedule(dynamic)
+        for (int w = 0; w < B * KV * blocks; w++) {
+            const int item = w / blocks, b = item / KV, g = item % KV, t0 = (w % blocks) * TA_POS;
+            const int t1 = t0 + TA_POS < Tq ? t0 + TA_POS : Tq, R = (t1 - t0) * rep;
+            const int32_t *nb = n + (long)b * Tq;
+            const int N = ta_block_cols(nb, t0, t1);
+            const uint32_t *kt = (const uint32_t *)scratch + item * pack, *vp = kt + pack / 2;
+            ta_gather(q, 0, b, g, t0, t1, rep, H, Tq, D, qc, R2);
+            ta_gemm(qc, D, kt, K16, S, K16, R, N, D / 2, 0);
+            for (int r = 0; r < R; r++) {
+                const int t = t0 + r / rep, h = g * rep + r % rep, nv = nb[t];
+                float *s = S + (long)r * K16;
+                v16 mx = (v16){0} - INFINITY;
+                for (int j = 0; j < N; j += 16) {
+                    v16 x;
+                    memcpy(&x, s + j, sizeof x);
+                    for (int l = 0; l < 16; l++)
+                        if (j + l >= nv) x[l] = -INFINITY;
+                    memcpy(s + j, &x, sizeof x);
+                    v16i gt = x > mx;
+                    mx = (v16)(((v16i)x & gt) | ((v16i)mx & ~gt));
+                }
+                float M = -INFINITY;
+                for (int l = 0; l < 16; l++) M = mx[l] > M ? mx[l] : M;
+                M *= scale;
+                v16 sum = {0};
+                for (int j = 0; j < N; j += 16) {
+                    v16 x;
+                    memcpy(&x, s + j, sizeof x);
+                    x = vexp(x * scale - M, 1);
+                    memcpy(s + j, &x, sizeof x);
+                    sum += x;
+                }
+                const float tot = hsum(sum), inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+                for (int j = 0; j < N; j += 16) {
+                    v16 x;
+                    memcpy(&x, s + j, sizeof x);
+                    store16(Pb + (long)r * K16, j, x * inv, 1);
+                }
+                if (lse) lse[((long)b * H + h) * Tq + t] = M + logf(tot);
+            }
+            ta_gemm(Pb, K16, vp, D, O, D, R, D, N / 2, 0);
+            for (int r = 0; r < R; r++) {
+                const int t = t0 + r / rep, h = g * rep + r % rep;
+                for (int c = 0; c < D; c += 16) {
+                    v16 x;
+                    memcpy(&x, O + (long)r * D + c, sizeof x);
+                    store16(out, (((long)b * Tq + t) * H + h) * D + c, x, 1);
+                }
+            }
+        }
+    }
+#endif
+}
+
+/* The gradients of keel_train_attention's inputs for the gradient dout [B, Tq, H, D] of its output
+ * out, from its lse: dq [B, H, Tq, D], dk, dv [B, KV, Tk, D], bf16. Same conditions. */
+void keel_train_attention_backward(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *n, const uint16_t *out,
+                                   const uint16_t *dout, const float *lse, uint16_t *dq, uint16_t *dk, uint16_t *dv, float *scratch,
+                                   int threads, int B, int H, int KV, int Tq, int Tk, int D, float scale) {
+#ifdef KEEL_DPBF16
+    const int rep = H / KV, R2 = (int)round_up(rep * TA_POS, 2), K16 = (int)round_up(Tk, 16), blocks = (Tq + TA_POS - 1) / TA_POS;
+    const long per_thread = 3L * K16 * D / 2 + 2L * D * K16 + 2L * R2 * D + 2L * R2 * K16 + (long)R2 * K16 + (long)R2 * K16 / 2
+                            + (long)R2 * D + R2;
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = scratch + TA_THREAD * per_thread;
+        uint32_t *kt = (uint32_t *)mine, *kp = kt + (long)K16 * D / 2, *vt = kp + (long)K16 * D / 2;
+        float *dkt = (float *)(vt + (long)K16 * D / 2), *dvt = dkt + (long)D * K16;
+        uint16_t *qc = (uint16_t *)(dvt + (long)D * K16), *doc = qc + (long)R2 * D, *qT = doc + (long)R2 * D, *doT = qT + (long)R2 * D;
+        float *S = (float *)(doT + (long)R2 * D), *dP = S + (long)R2 * K16;
+        uint32_t *Pi = (uint32_t *)(dP + (long)R2 * K16), *dSi = Pi + (long)R2 / 2 * K16;
+        uint16_t *dSb = (uint16_t *)(dSi + (long)R2 / 2 * K16);
+        float *dQ = (float *)(dSb + (long)R2 * K16), *delta = dQ + (long)R2 * D;
+#pragma omp for schedule(dynamic)
+        for (int item = 0; item < B * KV; item++) {
+            const int b = item / KV, g = item % KV;
+            const long kv = (long)item * Tk * D;
+            const int32_t *nb = n + (long)b * Tq;
+            ta_pack_cols(k + kv, Tk, D, kt, K16);
+            ta_pack_rows(k + kv, Tk, D, kp, K16);
+            ta_pack_cols(v + kv, Tk, D, vt, K16);
+            memset(dkt, 0, sizeof(float) * D * K16);
+            memset(dvt, 0, sizeof(float) * D * K16);
+            for (int t0 = 0; t0 < Tq; t0 += TA_POS) {
+                const int t1 = t0 + TA_POS < Tq ? t0 + TA_POS : Tq, R = (t1 - t0) * rep, Rp = (int)round_up(R, 2);
+                const int N = ta_block_cols(nb, t0, t1);
+                ta_gather(q, 0, b, g, t0, t1, rep, H, Tq, D, qc, Rp);
+                ta_gather(dout, 1, b, g, t0, t1, rep, H, Tq, D, doc, Rp);
+                ta_transpose(qc, Rp, D, qT);
+                ta_transpose(doc, Rp, D, doT);
+                for (int r = 0; r < R; r++) { /* rowsum(dO ∘ O) */
+                    const int t = t0 + r / rep, h = g * rep + r % rep;
+                    v16 acc = {0};
+                    for (int c = 0; c < D; c += 16)
+                        acc += load16(doc, (long)r * D + c, 1) * load16(out, (((long)b * Tq + t) * H + h) * D + c, 1);
+                    delta[r] = hsum(acc);
+                }
+                ta_gemm(qc, D, kt, K16, S, K16, R, N, D / 2, 0);
+                ta_gemm(doc, D, vt, K16, dP, K16, R, N, D / 2, 0);
+                for (int r = 0; r < Rp; r += 2) { /* P and dS·scale, as bf16 rows and as row pairs */
+                    for (int j = 0; j < N; j += 16) {
+                        v16 p[2], ds[2];
+                        for (int e = 0; e < 2; e++) {
+                            const int rr = r + e;
+                            if (rr >= R) {
+                                p[e] = ds[e] = (v16){0};
+                                continue;
+                            }
+                            const int t = t0 + rr / rep, h = g * rep + rr % rep, nv = nb[t];
+                            v16 x, y;
+                            memcpy(&x, S + (long)rr * K16 + j, sizeof x);
+                            memcpy(&y, dP + (long)rr * K16 + j, sizeof y);
+                            for (int l = 0; l < 16; l++)
+                                if (j + l >= nv) x[l] = -INFINITY;
+                            p[e] = vexp(x * scale - lse[((long)b * H + h) * Tq + t], 1);
+                            ds[e] = p[e] * (y - delta[rr]) * scale;
+                            store16(dSb + (long)rr * K16, j, ds[e], 1);
+                        }
+                        const v16u pw = ta_bf16_bits(p[0]) | ta_bf16_bits(p[1]) << 16;
+                        const v16u dw = ta_bf16_bits(ds[0]) | ta_bf16_bits(ds[1]) << 16;
+                        memcpy(Pi + (long)(r / 2) * K16 + j, &pw, sizeof pw);
+                        memcpy(dSi + (long)(r / 2) * K16 + j, &dw, sizeof dw);
+                    }
+                }
+                ta_gemm(doT, Rp, Pi, K16, dvt, K16, D, N, Rp / 2, 1);  /* dVᵀ += dOᵀ · P */
+                ta_gemm(qT, Rp, dSi, K16, dkt, K16, D, N, Rp / 2, 1);  /* dKᵀ += Qᵀ · dS */
+                ta_gemm(dSb, K16, kp, D, dQ, D, R, D, N / 2, 0);       /* dQ = dS · K */
+                for (int r = 0; r < R; r++) {
+                    const int t = t0 + r / rep, h = g * rep + r % rep;
+                    for (int c = 0; c < D; c += 16) {
+                        v16 x;
+                        memcpy(&x, dQ + (long)r * D + c, sizeof x);
+                        store16(dq, (((long)b * H + h) * Tq + t) * D + c, x, 1);
+                    }
+                }
+            }
+            for (int j = 0; j < Tk; j++) /* the transposed sums back to rows, in bf16 */
+                for (int c = 0; c < D; c += 16) {
+                    v16 x, y;
+                    for (int l = 0; l < 16; l++) {
+                        x[l] = dkt[(long)(c + l) * K16 + j];
+                        y[l] = dvt[(long)(c + l) * K16 + j];
+                    }
+                    store16(dk, kv + (long)j * D + c, x, 1);
+                    store16(dv, kv + (long)j * D + c, y, 1);
+                }
+        }
+    }
+#endif
+}

@@ -9,7 +9,9 @@ sampling six ops over the 49k-token vocabulary. keel/decode_ops.c does each grou
 the element-wise groups with the same roundings as transformers' forward in the same dtype (fp32
 or bf16), the attention and the sampling in fp32 (keel.decode, keel.rollout._choose); where the
 CPU has AMX or AVX512-BF16 (and the compiler targets it), a bf16 attention whose shared-prefix
-part runs as bf16 matrix products with fp32 sums (`bf16_kernels`).
+part runs as bf16 matrix products with fp32 sums (`bf16_kernels`); and, with AVX512-BF16, the
+bf16 training attention of keel.logprobs' forwards and backwards under autocast
+(keel_train_attention: torch's CPU flash kernel computes bf16 at fp32 speed without AMX).
 
 No maintained library ships these fused CPU ops for this torch (intel-extension-for-pytorch,
 which did, stopped at torch 2.8), so Keel compiles its own with the system's C compiler, once per
@@ -55,6 +57,9 @@ SIGNATURES = {  # name: (argument types, result type)
     "keel_decode_attention_amx": ([_P, _L, _P, _P, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F], None),
     "keel_dpbf16": ([], _I),
     "keel_decode_attention_dpbf16": ([_P, _L, _P, _P, _I, _P, _P, _L, _L, _I, _P, _L, _P, _P, _I, _I, _I, _I, _F], None),
+    "keel_train_attention_scratch": ([_I, _I, _I, _I, _I, _I, _I], _L),
+    "keel_train_attention": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
+    "keel_train_attention_backward": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
 }
 
 
