@@ -922,9 +922,12 @@ static void ta_pack_cols(const uint16_t *x, int n, int D, uint32_t *dst, long ld
  * (j2, d) = rows 2·j2 and 2·j2+1 of column d; rows n..rows2-1 zero */
 static void ta_pack_rows(const uint16_t *x, int n, int D, uint32_t *dst, int rows2) {
     for (int j2 = 0; j2 < rows2 / 2; j2++)
-        for (int d = 0; d < D; d++) {
-            const uint32_t lo = 2 * j2 < n ? x[(long)2 * j2 * D + d] : 0, hi = 2 * j2 + 1 < n ? x[(long)(2 * j2 + 1) * D + d] : 0;
-            dst[(long)j2 * D + d] = lo | hi << 16;
+        for (int d = 0; d < D; d += 16) {
+            v16h lo = {0}, hi = {0};
+            if (2 * j2 < n) memcpy(&lo, x + (long)2 * j2 * D + d, sizeof lo);
+            if (2 * j2 + 1 < n) memcpy(&hi, x + (long)(2 * j2 + 1) * D + d, sizeof hi);
+            const v16u w = __builtin_convertvector(lo, v16u) | __builtin_convertvector(hi, v16u) << 16;
+            memcpy(dst + (long)j2 * D + d, &w, sizeof w);
         }
 }
 
@@ -946,6 +949,14 @@ static void ta_gather(const uint16_t *x, int by_pos, int b, int g, int t0, int t
 static void ta_transpose(const uint16_t *x, int R2, int D, uint16_t *dst) {
     for (int r = 0; r < R2; r++)
         for (int d = 0; d < D; d++) dst[(long)d * R2 + r] = x[(long)r * D + d];
+}
+
+/* x with -inf in the lanes of keys j + l ≥ nv (hidden from the row) */
+static inline v16 ta_hide(v16 x, int j, int nv) {
+    if (j + 16 <= nv) return x;
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16i keep = lane + j < nv;
+    return (v16)(((v16i)x & keep) | ((v16i)((v16){0} - INFINITY) & ~keep));
 }
 
 static inline int ta_block_cols(const int32_t *n, int t0, int t1) {
@@ -1007,8 +1018,7 @@ void keel_train_attention(const uint16_t *q, const uint16_t *k, const uint16_t *
                 for (int j = 0; j < N; j += 16) {
                     v16 x;
                     memcpy(&x, s + j, sizeof x);
-                    for (int l = 0; l < 16; l++)
-                        if (j + l >= nv) x[l] = -INFINITY;
+                    x = ta_hide(x, j, nv);
                     memcpy(s + j, &x, sizeof x);
                     v16i gt = x > mx;
                     mx = (v16)(((v16i)x & gt) | ((v16i)mx & ~gt));
@@ -1104,8 +1114,7 @@ void keel_train_attention_backward(const uint16_t *q, const uint16_t *k, const u
                             v16 x, y;
                             memcpy(&x, S + (long)rr * K16 + j, sizeof x);
                             memcpy(&y, dP + (long)rr * K16 + j, sizeof y);
-                            for (int l = 0; l < 16; l++)
-                                if (j + l >= nv) x[l] = -INFINITY;
+                            x = ta_hide(x, j, nv);
                             p[e] = vexp(x * scale - lse[((long)b * H + h) * Tq + t], 1);
                             ds[e] = p[e] * (y - delta[rr]) * scale;
                             store16(dSb + (long)rr * K16, j, ds[e], 1);
