@@ -29,7 +29,8 @@ warm-up), in a subprocess of the separate TRL virtualenv.
 `--model DIR` starts both sides from the same local checkpoint (default: the embedded model,
 which never calls a tool before SFT, so neither side runs a tool episode). `--bf16`: Keel
 samples with a bf16 copy and trains under bf16 autocast, its old log-probs recomputed by the
-fp32 policy (as `rollout.dtype: bfloat16` + `model.autocast: true` do); TRL runs with
+fp32 policy (as `rollout.dtype: bfloat16` + `model.autocast: true` do; the sampler copy and the
+reference built as the trainer builds them: `frozen_copy`, `frozen_reference`); TRL runs with
 `bf16=True` (autocast on CPU through accelerate). Generated and tool-response tokens per side
 are printed so equal work is visible.
 TRL's venv: python3.11 -m venv /tmp/trlenv && /tmp/trlenv/bin/pip install torch==2.13.0 trl==1.16.0
@@ -44,7 +45,6 @@ Ends with `speedup_vs_trl=<ratio>` (TRL step time / Keel step time).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import subprocess
@@ -77,14 +77,18 @@ def keel_update(model, ref, tok, batch, args) -> dict:
                        autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
 
 
-def keel_step(model, ref, tok, env, tasks, args, seed: int) -> tuple[dict, tuple]:
-    """(times and token counts of one step, its update's batch for `update_floor`)."""
+def keel_step(model, sampler, ref, tok, env, tasks, args, seed: int) -> tuple[dict, tuple]:
+    """(times and token counts of one step, its update's batch for `update_floor`). As the
+    trainer's step (keel.train): `sampler` is the policy itself (fp32) or its bf16 copy
+    (`frozen_copy`), whose weights are released during the update and copied from the policy
+    after it; `ref` is `frozen_reference`'s copy."""
     import torch
 
     from keel.answers import exact_match
     from keel.config import Config
     from keel.losses import group_advantages
     from keel.memory import release_free_memory
+    from keel.models import copy_weights, release_weights
     from keel.rollout import SamplingParams, rollout
 
     cfg = Config()
@@ -93,9 +97,6 @@ def keel_step(model, ref, tok, env, tasks, args, seed: int) -> tuple[dict, tuple
     groups = [k for k in range(len(tasks)) for _ in range(args.group)]
     cfg.model.autocast = args.bf16
     t0 = time.perf_counter()
-    sampler = model
-    if args.bf16:  # the trainer's bf16 sampler copy, refreshed from the policy each step
-        sampler = copy.deepcopy(model).to(torch.bfloat16).eval()
     trajs = rollout(sampler, tok, env, rows, SamplingParams(temperature=1.0, max_turns=args.turns, max_new_tokens=args.new_tokens, max_total_tokens=4096),
                     generator=torch.Generator().manual_seed(seed), groups=groups)
     rewards = torch.tensor([exact_match(tr.answer, task.answers + task.aliases) for tr, task in zip(trajs, rows)])
@@ -103,7 +104,11 @@ def keel_step(model, ref, tok, env, tasks, args, seed: int) -> tuple[dict, tuple
     release_free_memory()  # as the trainer does between its rollout and its update
     t1 = time.perf_counter()
     cfg.grpo.skip_zero_advantage = False  # TRL forwards every completion; so does Keel here
+    release_weights(sampler, model)
     keel_update(model, ref, tok, (trajs, adv, cfg), args)
+    model.zero_grad(set_to_none=True)
+    copy_weights(sampler, model)
+    release_free_memory()
     t2 = time.perf_counter()
     from keel.types import Source
 
@@ -116,17 +121,15 @@ def update_floor(model, ref, tok, batch, args) -> dict:
     """The last Keel step's update again (its trajectories and advantages; one more optimizer
     step on the policy, after every timed one), its FLOPs counted: every matmul forward and
     backward (torch's FlopCounterMode) plus the CPU flash attention's visible query–key pairs
-    (bench/train_flops.py's formula). Over this CPU's GEMM peak in the update's precision (a
+    (bench/train_flops.py's formula; counted with the attention on SDPA, since Keel's own bf16
+    training attention is a C call the counter does not see). Over this CPU's GEMM peak in the update's precision (a
     2048² matmul, measured now) that is the time the update needs at the very least on these
     cores: the floor any engine doing the same work here has."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
-    from train_flops import ATTENTION_FLOPS, gemm_peak
+    from train_flops import count_flops, gemm_peak
 
-    counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
-    with counter:
-        keel_update(model, ref, tok, batch, args)
+    counter = count_flops(lambda: keel_update(model, ref, tok, batch, args))
     flops = counter.get_total_flops()
     peak = gemm_peak(torch.bfloat16 if args.bf16 else torch.float32)
     return {"flops": flops, "peak": peak, "floor_s": flops / peak}
@@ -270,18 +273,17 @@ def main() -> None:
 
     import torch
 
-    from keel.models import load_model
+    from keel.models import frozen_copy, frozen_reference, load_model
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
+    ref = frozen_reference(model, args.bf16)  # the trainer's reference: its Linear weights in bf16 under autocast
+    sampler = frozen_copy(model, torch.bfloat16) if args.bf16 else model  # the trainer's bf16 sampler copy
     env, tasks = kg_tasks(args.prompts)
     print(f"{args.prompts} prompts × {args.group} generations, ≤ {args.new_tokens} tokens, ≤ {args.turns} turns, threads {args.threads}, "
           f"model {args.model}, {'bf16' if args.bf16 else 'fp32'}", flush=True)
-    keel_step(model, ref, tok, env, tasks, args, seed=100)  # warm-up
-    stats, batch = keel_step(model, ref, tok, env, tasks, args, seed=0)
+    keel_step(model, sampler, ref, tok, env, tasks, args, seed=100)  # warm-up
+    stats, batch = keel_step(model, sampler, ref, tok, env, tasks, args, seed=0)
     keel_runs = [stats]
     print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in keel_runs[-1].items()})}", flush=True)
     cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
@@ -293,7 +295,7 @@ def main() -> None:
         sys.exit(f"grpo_vs_trl: the TRL subprocess failed (exit {proc.returncode}):\n{tail}")
     trl = json.loads(line[len("TRL_RESULT "):])
     for rep in range(1, args.reps):  # interleave further Keel steps after TRL's
-        stats, batch = keel_step(model, ref, tok, env, tasks, args, seed=rep)
+        stats, batch = keel_step(model, sampler, ref, tok, env, tasks, args, seed=rep)
         keel_runs.append(stats)
     trl_times = trl["step_times_s"][1:]  # step 1 is TRL's warm-up
     for h in trl["log"]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import statistics
 import time
 
@@ -87,6 +88,24 @@ ATTENTION_FLOPS = {
 }
 
 
+def count_flops(fn) -> FlopCounterMode:
+    """Run fn() under a FlopCounterMode with ATTENTION_FLOPS, Keel's bf16 training attention
+    switched off for it (KEEL_TRAIN_ATTENTION=0): that kernel is a C call the counter does not
+    see, and SDPA in its place mixes the same query–key pairs."""
+    counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
+    before = os.environ.get("KEEL_TRAIN_ATTENTION")
+    os.environ["KEEL_TRAIN_ATTENTION"] = "0"
+    try:
+        with counter:
+            fn()
+    finally:
+        if before is None:
+            del os.environ["KEEL_TRAIN_ATTENTION"]
+        else:
+            os.environ["KEEL_TRAIN_ATTENTION"] = before
+    return counter
+
+
 def make_batch(model, tok, n: int, seed: int = 0):
     """n gold KG trajectories with policy-sourced assistant tokens and ratio-1 old log-probs."""
     kg, splits = generate_splits(seed=seed, train=max(n, 8), dev=1, test=1)
@@ -141,9 +160,7 @@ def main() -> None:
 
     flops = {}
     for name, autocast in (("fp32", False), ("bf16", True)):
-        counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
-        with counter:
-            update_once(copy.deepcopy(model), ref, trajs, adv, cfg, tok.pad_token_id, autocast)
+        counter = count_flops(lambda: update_once(copy.deepcopy(model), ref, trajs, adv, cfg, tok.pad_token_id, autocast))
         flops[name] = counter.get_total_flops()
         by_op = counter.get_flop_counts()["Global"]
         print(f"  {name} counted: " + ", ".join(f"{op} {n / 1e12:.2f} TFLOP" for op, n in by_op.items()), flush=True)
