@@ -9,6 +9,7 @@ LM head in chunks over those rows only.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from dataclasses import dataclass, fields
 
@@ -164,13 +165,14 @@ def _visible_keys(mask: torch.Tensor | None, causal: bool, B: int, Tq: int, Tk: 
     return visible
 
 
-_SCRATCH: list[torch.Tensor] = []  # one growing fp32 buffer: fresh pages per call cost ~5% of a call
+_SCRATCH = threading.local()  # a growing fp32 buffer per thread: fresh pages on every call cost ~5% of a call
 
 
 def _scratch(n: int) -> torch.Tensor:
-    if not _SCRATCH or _SCRATCH[0].numel() < n:
-        _SCRATCH[:] = [torch.empty(n, dtype=torch.float32)]
-    return _SCRATCH[0]
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH.buf = torch.empty(n, dtype=torch.float32)
+    return buf
 
 
 class _NativeAttention(torch.autograd.Function):
