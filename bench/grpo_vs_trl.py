@@ -297,14 +297,16 @@ def main() -> None:
     for rep in range(1, args.reps):  # interleave further Keel steps after TRL's
         stats, batch = keel_step(model, sampler, ref, tok, env, tasks, args, seed=rep)
         keel_runs.append(stats)
+        print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in stats.items()})}", flush=True)
     trl_times = trl["step_times_s"][1:]  # step 1 is TRL's warm-up
     for h in trl["log"]:
         print(f"  trl log: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in h.items() if k.startswith(('completions/', 'tools/', 'num_tokens', 'reward'))})}")
     keel_t = statistics.median(r["step_s"] for r in keel_runs)
     trl_t = statistics.median(trl_times)
+    per_step = lambda key: "/".join(str(r[key]) for r in keel_runs)  # noqa: E731  (each timed step samples its own episodes)
     print(f"\nkeel: {keel_t:.1f} s/step (rollout {statistics.median(r['rollout_s'] for r in keel_runs):.1f} s, "
-          f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s, {keel_runs[0]['generated_tokens']} generated tokens, "
-          f"{keel_runs[0]['tool_tokens']} tool-response tokens, {keel_runs[0]['tool_calls']} tool calls)")
+          f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s; per timed step {per_step('generated_tokens')} generated tokens, "
+          f"{per_step('tool_tokens')} tool-response tokens, {per_step('tool_calls')} tool calls)")
     print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first = warm-up)")
     floor = update_floor(model, ref, tok, batch, args)
     update_t = statistics.median(r["update_s"] for r in keel_runs)
