@@ -945,6 +945,21 @@ static void ta_gather(const uint16_t *x, int by_pos, int b, int g, int t0, int t
     for (; r < R2; r++) memset(dst + (long)r * D, 0, (size_t)D * 2);
 }
 
+/* ta_gather's inverse for fp32 block rows (R of them): rounded to bf16 into x's layout */
+static void ta_scatter(const float *src, int by_pos, int b, int g, int t0, int t1, int rep, int H, int Tq, int D, uint16_t *x) {
+    int r = 0;
+    for (int t = t0; t < t1; t++)
+        for (int h = 0; h < rep; h++, r++) {
+            const int head = g * rep + h;
+            const long dst = by_pos ? (((long)b * Tq + t) * H + head) * D : (((long)b * H + head) * Tq + t) * D;
+            for (int c = 0; c < D; c += 16) {
+                v16 v;
+                memcpy(&v, src + (long)r * D + c, sizeof v);
+                store16(x, dst + c, v, 1);
+            }
+        }
+}
+
 /* x [R2][D] bf16 → [D][R2] bf16 (the A operand of a product that sums over the block's rows) */
 static void ta_transpose(const uint16_t *x, int R2, int D, uint16_t *dst) {
     for (int r = 0; r < R2; r++)
@@ -1043,14 +1058,7 @@ void keel_train_attention(const uint16_t *q, const uint16_t *k, const uint16_t *
                 if (lse) lse[((long)b * H + h) * Tq + t] = M + logf(tot);
             }
             ta_gemm(Pb, K16, vp, D, O, D, R, D, N / 2, 0);
-            for (int r = 0; r < R; r++) {
-                const int t = t0 + r / rep, h = g * rep + r % rep;
-                for (int c = 0; c < D; c += 16) {
-                    v16 x;
-                    memcpy(&x, O + (long)r * D + c, sizeof x);
-                    store16(out, (((long)b * Tq + t) * H + h) * D + c, x, 1);
-                }
-            }
+            ta_scatter(O, 1, b, g, t0, t1, rep, H, Tq, D, out);
         }
     }
 #endif
@@ -1128,14 +1136,7 @@ void keel_train_attention_backward(const uint16_t *q, const uint16_t *k, const u
                 ta_gemm(doT, Rp, Pi, K16, dvt, K16, D, N, Rp / 2, 1);  /* dVᵀ += dOᵀ · P */
                 ta_gemm(qT, Rp, dSi, K16, dkt, K16, D, N, Rp / 2, 1);  /* dKᵀ += Qᵀ · dS */
                 ta_gemm(dSb, K16, kp, D, dQ, D, R, D, N / 2, 0);       /* dQ = dS · K */
-                for (int r = 0; r < R; r++) {
-                    const int t = t0 + r / rep, h = g * rep + r % rep;
-                    for (int c = 0; c < D; c += 16) {
-                        v16 x;
-                        memcpy(&x, dQ + (long)r * D + c, sizeof x);
-                        store16(dq, (((long)b * H + h) * Tq + t) * D + c, x, 1);
-                    }
-                }
+                ta_scatter(dQ, 0, b, g, t0, t1, rep, H, Tq, D, dq);
             }
             for (int j = 0; j < Tk; j++) /* the transposed sums back to rows, in bf16 */
                 for (int c = 0; c < D; c += 16) {
