@@ -30,6 +30,7 @@ import copy
 import os
 import statistics
 import time
+from unittest import mock
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -93,16 +94,8 @@ def count_flops(fn) -> FlopCounterMode:
     switched off for it (KEEL_TRAIN_ATTENTION=0): that kernel is a C call the counter does not
     see, and SDPA in its place mixes the same query–key pairs."""
     counter = FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS)
-    before = os.environ.get("KEEL_TRAIN_ATTENTION")
-    os.environ["KEEL_TRAIN_ATTENTION"] = "0"
-    try:
-        with counter:
-            fn()
-    finally:
-        if before is None:
-            del os.environ["KEEL_TRAIN_ATTENTION"]
-        else:
-            os.environ["KEEL_TRAIN_ATTENTION"] = before
+    with mock.patch.dict(os.environ, {"KEEL_TRAIN_ATTENTION": "0"}), counter:
+        fn()
     return counter
 
 

@@ -57,14 +57,19 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 
 /* 16 values of a row in the dtype, stored from fp32 (rounded to nearest even, as torch rounds; a
  * NaN stays a NaN) */
+/* the bf16 bits of 16 floats (rounded to nearest even, as torch rounds; a NaN stays a NaN), in
+ * the low halves of 16 words */
+static inline v16u bf16_bits(v16 f) {
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
+    v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (v16u)(((v16i)r & ~nan) | ((v16i)((u >> 16) | 0x40u) & nan));
+}
+
 static inline void store16(void *p, long i, v16 f, int bf16) {
     if (bf16) {
-        v16u u;
-        memcpy(&u, &f, sizeof u);
-        v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
-        v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-        r = (v16u)(((v16i)r & ~nan) | ((v16i)((u >> 16) | 0x40u) & nan));
-        v16h h = __builtin_convertvector(r, v16h);
+        v16h h = __builtin_convertvector(bf16_bits(f), v16h);
         memcpy((uint16_t *)p + i, &h, sizeof h);
     } else {
         memcpy((float *)p + i, &f, sizeof f);
@@ -899,15 +904,6 @@ static void ta_gemm(const uint16_t *A, long lda, const uint32_t *B, long ldb, fl
 }
 #undef TA_NR
 
-/* round-to-nearest-even bf16 bits of 16 floats, in the low halves of 16 words (NaN kept) */
-static inline v16u ta_bf16_bits(v16 f) {
-    v16u u;
-    memcpy(&u, &f, sizeof u);
-    v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
-    v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (v16u)(((v16i)r & ~nan) | ((v16i)((u >> 16) | 0x40u) & nan));
-}
-
 /* keys or values of one kv head (n rows of D bf16) as the B operand of a product that sums over
  * their D columns: [D/2][ldb] words, word (d2, j) = row j's columns 2·d2, 2·d2+1; rows n..ldb-1 zero */
 static void ta_pack_cols(const uint16_t *x, int n, int D, uint32_t *dst, long ldb) {
@@ -981,17 +977,21 @@ static inline int ta_block_cols(const int32_t *n, int t0, int t1) {
 }
 #endif
 
-/* floats of scratch keel_train_attention (backward 0) or keel_train_attention_backward (1) needs
- * with `threads` threads */
+/* floats of one thread's scratch (R2 block rows, K16 keys): forward — gathered queries, scores,
+ * bf16 probabilities, output sums; backward — keys [D/2][K16] and [K16/2][D], values [D/2][K16]
+ * words, the keys' and values' gradients transposed [D][K16], queries, output gradient and their
+ * transposes, scores and dO·Vᵀ, probabilities and dS as row pairs, dS as rows, the queries'
+ * gradient, deltas (the kernels lay them out in this order) */
+static long ta_thread_floats(long R2, long K16, long D, int backward) {
+    if (!backward) return R2 * D / 2 + R2 * K16 + R2 * K16 / 2 + R2 * D;
+    return 3 * K16 * D / 2 + 2 * D * K16 + 2 * R2 * D + 2 * R2 * K16 + R2 * K16 + R2 * K16 / 2 + R2 * D + R2;
+}
+
+/* floats of scratch keel_train_attention (backward 0: also the packed keys and values of every
+ * (row, kv head), K16·D words each) or keel_train_attention_backward (1) needs with `threads` threads */
 long keel_train_attention_scratch(int B, int H, int KV, int Tk, int D, int threads, int backward) {
-    const long rep = H / KV, R2 = round_up(rep * TA_POS, 2), K16 = round_up(Tk, 16);
-    if (!backward) /* packs per (row, kv head): keys [D/2][K16], values [K16/2][D] words; per thread:
-                    * gathered queries, scores, bf16 probabilities, output sums */
-        return (long)B * KV * K16 * D + threads * (R2 * D / 2 + R2 * K16 + R2 * K16 / 2 + R2 * D);
-    /* per thread: keys [D/2][K16] and [K16/2][D], values [D/2][K16] words; the keys' and values'
-     * gradients transposed [D][K16]; queries, output gradient and their transposes; scores and
-     * dO·Vᵀ; probabilities and dS as row pairs; dS as rows; the queries' gradient; deltas */
-    return threads * (3 * K16 * D / 2 + 2 * D * K16 + 2 * R2 * D + 2 * R2 * K16 + R2 * K16 + R2 * K16 / 2 + R2 * D + R2);
+    const long R2 = round_up((long)(H / KV) * TA_POS, 2), K16 = round_up(Tk, 16);
+    return (backward ? 0 : (long)B * KV * K16 * D) + threads * ta_thread_floats(R2, K16, D, backward);
 }
 
 /* out[b, t, h] = softmax_j<n[b,t](scale · q[b,h,t] · k[b,g,j]) · v[b,g,j] (g = h / (H/KV)) in bf16,
@@ -1002,7 +1002,7 @@ void keel_train_attention(const uint16_t *q, const uint16_t *k, const uint16_t *
 #ifdef KEEL_DPBF16
     const int rep = H / KV, R2 = (int)round_up(rep * TA_POS, 2), K16 = (int)round_up(Tk, 16), blocks = (Tq + TA_POS - 1) / TA_POS;
     const long pack = (long)K16 * D; /* words of one pair's two packs */
-    const long per_thread = (long)R2 * D / 2 + (long)R2 * K16 + (long)R2 * K16 / 2 + (long)R2 * D;
+    const long per_thread = ta_thread_floats(R2, K16, D, 0);
     float *thread_base = scratch + (long)B * KV * pack;
 #pragma omp parallel num_threads(threads)
     {
@@ -1070,9 +1070,8 @@ void keel_train_attention_backward(const uint16_t *q, const uint16_t *k, const u
                                    const uint16_t *dout, const float *lse, uint16_t *dq, uint16_t *dk, uint16_t *dv, float *scratch,
                                    int threads, int B, int H, int KV, int Tq, int Tk, int D, float scale) {
 #ifdef KEEL_DPBF16
-    const int rep = H / KV, R2 = (int)round_up(rep * TA_POS, 2), K16 = (int)round_up(Tk, 16), blocks = (Tq + TA_POS - 1) / TA_POS;
-    const long per_thread = 3L * K16 * D / 2 + 2L * D * K16 + 2L * R2 * D + 2L * R2 * K16 + (long)R2 * K16 + (long)R2 * K16 / 2
-                            + (long)R2 * D + R2;
+    const int rep = H / KV, R2 = (int)round_up(rep * TA_POS, 2), K16 = (int)round_up(Tk, 16);
+    const long per_thread = ta_thread_floats(R2, K16, D, 1);
 #pragma omp parallel num_threads(threads)
     {
         float *mine = scratch + TA_THREAD * per_thread;
@@ -1127,8 +1126,8 @@ void keel_train_attention_backward(const uint16_t *q, const uint16_t *k, const u
                             ds[e] = p[e] * (y - delta[rr]) * scale;
                             store16(dSb + (long)rr * K16, j, ds[e], 1);
                         }
-                        const v16u pw = ta_bf16_bits(p[0]) | ta_bf16_bits(p[1]) << 16;
-                        const v16u dw = ta_bf16_bits(ds[0]) | ta_bf16_bits(ds[1]) << 16;
+                        const v16u pw = bf16_bits(p[0]) | bf16_bits(p[1]) << 16;
+                        const v16u dw = bf16_bits(ds[0]) | bf16_bits(ds[1]) << 16;
                         memcpy(Pi + (long)(r / 2) * K16 + j, &pw, sizeof pw);
                         memcpy(dSi + (long)(r / 2) * K16 + j, &dw, sizeof dw);
                     }
