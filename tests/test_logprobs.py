@@ -122,21 +122,45 @@ def test_micro_batches_cut_by_rows_and_encoded_positions():
     # no shared prefix: cost = rows × longest
     plain = [list(range(1000, 1100)), list(range(2000, 2100)), list(range(3000, 3300))]
     assert micro_batches(plain, max_rows=8, max_tokens=300) == [[0, 1], [2]]  # 2×100 = 200; 3×300 = 900
-    assert micro_batches(plain, max_rows=8, max_tokens=0) == [[0, 1, 2]]
+    # without a cap, still the fewest positions: 200 + 300, not 3×300 in one; [[0], [1], [2]] is
+    # also 500 but one micro-batch more
+    assert micro_batches(plain, max_rows=8, max_tokens=0) == [[0, 1], [2]]
+    assert micro_batches(plain[:2], max_rows=8, max_tokens=0) == [[0, 1]]
     assert micro_batches(plain, max_rows=1, max_tokens=0) == [[0], [1], [2]]
     # a row over the cap still trains, alone
     assert micro_batches([[1] * 10, [2] * 500, [3] * 10], max_rows=8, max_tokens=100) == [[0], [1], [2]]
     # a 40-token shared prefix (≥ MIN_SHARED_PREFIX) is encoded once: cost = 40 + rows × (longest − 40)
     assert MIN_SHARED_PREFIX <= 40
     p = list(range(500, 540))
-    shared = [p + [1] * 10, p + [2] * 20, p + [3] * 60]  # lengths 50, 60, 100
+    shared = [p + [1] * 60, p + [2] * 60, p + [3] * 60]  # lengths 100
     assert micro_batches(shared, max_rows=8, max_tokens=220) == [[0, 1, 2]]  # 40 + 3×60 = 220
-    assert micro_batches(shared, max_rows=8, max_tokens=219) == [[0, 1], [2]]  # 40 + 2×20 = 80
+    assert micro_batches(shared, max_rows=8, max_tokens=219) == [[0, 1], [2]]  # 40 + 2×60 = 160, then 100
+    # lengths 50, 60, 100: 40 + 2×20 = 80, then 100 alone, is fewer positions than 40 + 3×60 = 220
+    uneven = [p + [1] * 10, p + [2] * 20, p + [3] * 60]
+    assert micro_batches(uneven, max_rows=8, max_tokens=220) == [[0, 1], [2]]
     # a 10-token common prefix is below MIN_SHARED_PREFIX: not shared, cost = rows × longest
     short = [list(range(10)) + [1] * 40, list(range(10)) + [2] * 40]
     assert micro_batches(short, max_rows=8, max_tokens=99) == [[0], [1]]
     assert micro_batches(short, max_rows=8, max_tokens=100) == [[0, 1]]
     assert micro_batches([], max_rows=8, max_tokens=100) == []
+
+
+def test_micro_batches_cut_where_rows_stop_sharing():
+    """GRPO's rows: a 40-token system block every row shares, then two groups of 3 samples whose
+    question (40 tokens) their group shares. A greedy fill under a 400-position cap takes 4 rows
+    (40 + 4 × 90 = 400) and leaves 2 (40 + 2 × 90 = 220): 620 positions; cut at the groups,
+    each micro-batch is 80 + 3 × 50 = 230: 460 positions."""
+    system = list(range(100, 140))
+    q1, q2 = list(range(200, 240)), list(range(300, 340))
+    rows = [system + q + [k + 10 * i] * 50 for q, k in ((q1, 1000), (q2, 2000)) for i in range(3)]
+    assert micro_batches(rows, max_rows=8, max_tokens=400) == [[0, 1, 2], [3, 4, 5]]
+    # two rows at most: [0, 1] 80 + 2×50 = 180, [2, 3] across the groups 40 + 2×90 = 220, [4, 5]
+    # 180: 580 in all, fewer than [0, 1], [2], [3, 4], [5]: 180 + 130 + 180 + 130 = 620
+    assert micro_batches(rows, max_rows=2, max_tokens=400) == [[0, 1], [2, 3], [4, 5]]
+    # rows sorted by length: the long ones together, not padding the short ones
+    lens = [10, 10, 10, 10, 200, 200]
+    plain = [[k * 1000 + t for t in range(n)] for k, n in enumerate(lens)]
+    assert micro_batches(plain, max_rows=8, max_tokens=0) == [[0, 1, 2, 3], [4, 5]]  # 40 + 400, not 6 × 200
 
 
 def test_micro_batch_cost_is_what_the_forward_encodes():
@@ -152,12 +176,19 @@ def test_micro_batch_cost_is_what_the_forward_encodes():
         for _ in range(n):
             cut = int(torch.randint(0, len(base) + 1, (1,), generator=g))
             seqs.append(base[:cut] + torch.randint(5, 50, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist())
-        trajs = [Trajectory(task_id="t", token_ids=s, sources=[int(Source.POLICY)] * len(s), logprobs=[0.0] * len(s)) for s in seqs]
-        b = collate(trajs)
-        lcp = shared_prefix_len(b.input_ids, b.attention_mask)
-        shared = lcp if lcp >= MIN_SHARED_PREFIX else 0
-        cost = shared + n * (max(map(len, seqs)) - shared)
-        assert micro_batches(seqs, max_rows=n, max_tokens=cost) == [list(range(n))]
+
+        def encoded(rows: list[int]) -> int:
+            b = collate([Trajectory(task_id="t", token_ids=seqs[i], sources=[int(Source.POLICY)] * len(seqs[i]),
+                                    logprobs=[0.0] * len(seqs[i])) for i in rows])
+            lcp = shared_prefix_len(b.input_ids, b.attention_mask)
+            shared = lcp if lcp >= MIN_SHARED_PREFIX else 0
+            return shared + len(rows) * (b.input_ids.shape[1] - shared)
+
+        cost = encoded(list(range(n)))
+        parts = micro_batches(seqs, max_rows=n, max_tokens=cost)  # one micro-batch fits; a cut may encode fewer
+        assert sum(encoded(p) for p in parts) <= cost and all(encoded(p) <= cost for p in parts)
+        if parts != [list(range(n))]:
+            assert sum(encoded(p) for p in parts) < cost
         assert len(micro_batches(seqs, max_rows=n, max_tokens=cost - 1)) > 1
 
 
@@ -196,6 +227,60 @@ def test_update_wide_prefix_gives_the_per_micro_batch_gradients(tiny):
 
     v0, g0 = run(False)
     v1, g1 = run(True)
+    assert torch.allclose(v0, v1, atol=1e-5)
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], atol=1e-5, rtol=1e-4), n
+
+
+def test_a_groups_question_is_encoded_once_on_top_of_the_update_prefix(tiny):
+    """GRPO's micro-batches: rows sharing the update's system block (SharedPrefix) and, per
+    group, a question. The question is encoded once per micro-batch on top of the prefix: the
+    same values and weight gradients as each row encoded alone (targets inside the question
+    too), and the positions the network encodes are micro_batches' cost less the prefix."""
+    from keel.logprobs import SharedPrefix
+
+    model, _ = tiny
+    g = torch.Generator().manual_seed(7)
+    system = torch.randint(5, 200, (40,), generator=g).tolist()
+    questions = [torch.randint(5, 200, (36,), generator=g).tolist() for _ in range(2)]
+    suffix = [7, 12, 3, 9, 5]
+    seqs = [system + questions[0 if r < 3 else 1] + [5 + r] + torch.randint(5, 200, (n - 1,), generator=g).tolist()
+            for r, n in enumerate(suffix)]
+    parts = [[0, 1, 2], [3, 4]]
+    assert micro_batches(seqs, max_rows=8, max_tokens=120) == parts  # 76 + 3×12 = 112, 76 + 2×9 = 94
+
+    def batch(rows):
+        T = max(len(seqs[i]) for i in rows)
+        ids = torch.zeros(len(rows), T, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for b, i in enumerate(rows):
+            ids[b, : len(seqs[i])] = torch.tensor(seqs[i])
+            attn[b, : len(seqs[i])] = 1
+        tmask = attn.bool().clone()
+        tmask[:, :77] = False
+        tmask[:, 60] = True  # a target inside the question: its hidden state is shared by the rows
+        return ids, attn, tmask
+
+    def run(shared: bool):
+        m = copy.deepcopy(model).train()
+        seen = []
+        hook = m.get_input_embeddings().register_forward_hook(lambda mod, args, out: seen.append(args[0].numel()))
+        pre = SharedPrefix(m, system) if shared else None
+        values = []
+        for part in parts if shared else [[i] for p in parts for i in p]:
+            ids, attn, tmask = batch(part)
+            lp, _ = token_logprobs(m, ids, attn, tmask, prefix=pre)
+            (lp * torch.cos(ids[tmask].float())).sum().backward()  # a weight per token, whatever the batching
+            values.append(lp.detach())
+        if pre is not None:
+            pre.backward()
+        hook.remove()
+        return torch.cat(values), {n: p.grad for n, p in m.named_parameters()}, sum(seen)
+
+    v0, g0, n0 = run(False)
+    v1, g1, n1 = run(True)
+    assert n0 == sum(len(q) for q in seqs)
+    assert n1 == 40 + (36 + 3 * 12) + (36 + 2 * 9) + 40  # the prefix, each micro-batch's question and remainders, the prefix again in backward
     assert torch.allclose(v0, v1, atol=1e-5)
     for n in g0:
         assert torch.allclose(g0[n], g1[n], atol=1e-5, rtol=1e-4), n
