@@ -65,19 +65,19 @@ def kg_tasks(n: int):
 # --------------------------------------------------------------------------------------------
 # Keel side
 # --------------------------------------------------------------------------------------------
-def keel_update(model, ref, tok, batch, args) -> dict:
+def keel_update(model, ref, opt, tok, batch, args) -> dict:
     """One `grpo_update` of the policy on batch = (trajectories, advantages, config), with the
-    trainer's optimizer and the bench's precision (old log-probs from the policy under --bf16)."""
-    from keel.models import adamw
+    bench's precision (old log-probs from the policy under --bf16). `opt`: the trainer's
+    optimizer (`keel.models.adamw`), made once for all steps as the trainer makes one for its RL
+    phase (a fresh one each step would allocate and zero its ~1 GB of AdamW state every step)."""
     from keel.train import grpo_update
 
     trajs, adv, cfg = batch
-    opt = adamw(model.parameters(), lr=1e-6)  # the trainer's optimizer (fused where torch has it)
     return grpo_update(model, ref, opt, trajs, adv, cfg.grpo, tok.pad_token_id, 1.0, old_from_policy=[args.bf16] * len(trajs),
                        autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
 
 
-def keel_step(model, sampler, ref, tok, env, tasks, args, seed: int) -> tuple[dict, tuple]:
+def keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed: int) -> tuple[dict, tuple]:
     """(times and token counts of one step, its update's batch for `update_floor`). As the
     trainer's step (keel.train): `sampler` is the policy itself (fp32) or its bf16 copy
     (`frozen_copy`), whose weights are released during the update and copied from the policy
@@ -105,7 +105,7 @@ def keel_step(model, sampler, ref, tok, env, tasks, args, seed: int) -> tuple[di
     t1 = time.perf_counter()
     cfg.grpo.skip_zero_advantage = False  # TRL forwards every completion; so does Keel here
     release_weights(sampler, model)
-    keel_update(model, ref, tok, (trajs, adv, cfg), args)
+    keel_update(model, ref, opt, tok, (trajs, adv, cfg), args)
     model.zero_grad(set_to_none=True)
     copy_weights(sampler, model)
     release_free_memory()
@@ -117,7 +117,7 @@ def keel_step(model, sampler, ref, tok, env, tasks, args, seed: int) -> tuple[di
             "tool_calls": sum(len(tr.steps) for tr in trajs), "turns": sum(len(tr.turn_spans) for tr in trajs)}, (trajs, adv, cfg)
 
 
-def update_floor(model, ref, tok, batch, args) -> dict:
+def update_floor(model, ref, opt, tok, batch, args) -> dict:
     """The last Keel step's update again (its trajectories and advantages; one more optimizer
     step on the policy, after every timed one), its FLOPs counted: every matmul forward and
     backward (torch's FlopCounterMode) plus the CPU flash attention's visible query–key pairs
@@ -129,7 +129,7 @@ def update_floor(model, ref, tok, batch, args) -> dict:
 
     from train_flops import count_flops, gemm_peak
 
-    counter = count_flops(lambda: keel_update(model, ref, tok, batch, args))
+    counter = count_flops(lambda: keel_update(model, ref, opt, tok, batch, args))
     flops = counter.get_total_flops()
     peak = gemm_peak(torch.bfloat16 if args.bf16 else torch.float32)
     return {"flops": flops, "peak": peak, "floor_s": flops / peak}
@@ -273,17 +273,18 @@ def main() -> None:
 
     import torch
 
-    from keel.models import frozen_copy, frozen_reference, load_model
+    from keel.models import adamw, frozen_copy, frozen_reference, load_model
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     ref = frozen_reference(model, args.bf16)  # the trainer's reference: its Linear weights in bf16 under autocast
     sampler = frozen_copy(model, torch.bfloat16) if args.bf16 else model  # the trainer's bf16 sampler copy
+    opt = adamw(model.parameters(), lr=1e-6)  # the trainer's optimizer, one for the RL phase
     env, tasks = kg_tasks(args.prompts)
     print(f"{args.prompts} prompts × {args.group} generations, ≤ {args.new_tokens} tokens, ≤ {args.turns} turns, threads {args.threads}, "
           f"model {args.model}, {'bf16' if args.bf16 else 'fp32'}", flush=True)
-    keel_step(model, sampler, ref, tok, env, tasks, args, seed=100)  # warm-up
-    stats, batch = keel_step(model, sampler, ref, tok, env, tasks, args, seed=0)
+    keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=100)  # warm-up
+    stats, batch = keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=0)
     keel_runs = [stats]
     print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in keel_runs[-1].items()})}", flush=True)
     cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
@@ -295,7 +296,7 @@ def main() -> None:
         sys.exit(f"grpo_vs_trl: the TRL subprocess failed (exit {proc.returncode}):\n{tail}")
     trl = json.loads(line[len("TRL_RESULT "):])
     for rep in range(1, args.reps):  # interleave further Keel steps after TRL's
-        stats, batch = keel_step(model, sampler, ref, tok, env, tasks, args, seed=rep)
+        stats, batch = keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=rep)
         keel_runs.append(stats)
         print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in stats.items()})}", flush=True)
     trl_times = trl["step_times_s"][1:]  # step 1 is TRL's warm-up
@@ -308,7 +309,7 @@ def main() -> None:
           f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s; per timed step {per_step('generated_tokens')} generated tokens, "
           f"{per_step('tool_tokens')} tool-response tokens, {per_step('tool_calls')} tool calls)")
     print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first = warm-up)")
-    floor = update_floor(model, ref, tok, batch, args)
+    floor = update_floor(model, ref, opt, tok, batch, args)
     update_t = statistics.median(r["update_s"] for r in keel_runs)
     kind = "bf16" if args.bf16 else "fp32"
     print(f"\nthe limit, measured now: Keel's update does {floor['flops'] / 1e12:.2f} TFLOP (matmuls and attention, counted); "
