@@ -1151,3 +1151,108 @@ void keel_train_attention_backward(const uint16_t *q, const uint16_t *k, const u
     }
 #endif
 }
+
+/* ---- the log-prob of each target token under its row's logits, and the row's entropy ----
+ * keel.logprobs' LM-head chunks under bf16 autocast, where torch's ops (the logits cast to fp32,
+ * log_softmax, gather, exp · logp for the entropy; in backward a zero-filled [rows, V] gradient,
+ * the scatter, log_softmax's backward and the cast back) made five to eight passes over fresh
+ * [rows, V] fp32 memory per chunk. Here each row of logits (fp32 or bf16, rows `ld` apart) is
+ * read twice, in fp32, as x = logit / temperature (torch's division): its maximum M, then
+ *   s = Σ e^(x−M),  u = Σ e^(x−M) (x−M);  lse = M + log s,  logp = x[target] − lse,
+ *   entropy = −Σ p log p = log s − u / s
+ * (a term with e^(x−M) = 0, a −inf logit, adds nothing to u). A row holding a NaN or no finite
+ * maximum gets NaN outputs, as torch's log_softmax gives (vexp alone would clamp a NaN away). */
+static inline float load1(const void *p, long i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline const void *row_at(const void *p, long r, long ld, int bf16) {
+    return bf16 ? (const void *)((const uint16_t *)p + r * ld) : (const void *)((const float *)p + r * ld);
+}
+
+void keel_token_logprobs(const void *logits, long ld, int rows, int V, const int64_t *targets, float temperature, int bf16,
+                         float *logp, float *lse, float *entropy) {
+    const int V16 = V / 16 * 16;
+    const float t = temperature;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int r = 0; r < rows; r++) {
+        const void *l = row_at(logits, r, ld, bf16);
+        v16 mx = (v16){0} - INFINITY;
+        v16i nan = {0};
+        for (int j = 0; j < V16; j += 16) {
+            v16 x = load16(l, j, bf16) / t;
+            nan |= (v16i)(x != x);
+            v16i gt = x > mx;
+            mx = (v16)(((v16i)x & gt) | ((v16i)mx & ~gt));
+        }
+        float M = -INFINITY;
+        int bad = 0;
+        for (int i = 0; i < 16; i++) M = mx[i] > M ? mx[i] : M, bad |= nan[i] != 0;
+        for (int j = V16; j < V; j++) {
+            const float x = load1(l, j, bf16) / t;
+            bad |= x != x;
+            M = x > M ? x : M;
+        }
+        bad |= !isfinite(M);
+        v16 s = {0}, u = {0};
+        for (int j = 0; j < V16; j += 16) {
+            const v16 d = load16(l, j, bf16) / t - M;
+            const v16 e = vexp(d, 1);
+            s += e;
+            u += (v16)((v16i)(e * d) & (v16i)(e > 0.0f));
+        }
+        float S = hsum(s), U = hsum(u);
+        for (int j = V16; j < V; j++) {
+            const float d = load1(l, j, bf16) / t - M, e = expf(d);
+            S += e;
+            U += e > 0.0f ? e * d : 0.0f;
+        }
+        const float logS = logf(S), L = M + logS;
+        lse[r] = bad ? NAN : L;
+        logp[r] = bad ? NAN : load1(l, targets[r], bf16) / t - L;
+        if (entropy) entropy[r] = bad ? NAN : logS - U / S;
+    }
+}
+
+/* d logp[r] / d logit[r, j] times grad[r]: (grad · [j = target] − grad · p_j) / temperature with
+ * p_j = e^(x_j − lse) (log_softmax's backward, then the division's), stored in the logits' dtype
+ * (bf16 rounded to nearest even, as autocast's cast back rounds) into `dlogits` [rows, V]. */
+void keel_token_logprobs_backward(const void *logits, long ld, int rows, int V, const int64_t *targets, float temperature, int bf16,
+                                  const float *lse, const float *grad, void *dlogits) {
+    const int V16 = V / 16 * 16;
+    const float t = temperature;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int r = 0; r < rows; r++) {
+        const void *l = row_at(logits, r, ld, bf16);
+        void *out = bf16 ? (void *)((uint16_t *)dlogits + (long)r * V) : (void *)((float *)dlogits + (long)r * V);
+        const float g = grad[r], L = lse[r];
+        const long tg = targets[r];
+        if (L != L) { /* a NaN row (the forward's): NaN throughout, as torch's backward gives */
+            for (int j = 0; j < V16; j += 16) store16(out, j, (v16){0} + NAN, bf16);
+            for (int j = V16; j < V; j++) {
+                if (bf16) ((uint16_t *)out)[j] = 0x7fc0;
+                else ((float *)out)[j] = NAN;
+            }
+            continue;
+        }
+        for (int j = 0; j < V16; j += 16) {
+            v16 d = (v16){0} - vexp(load16(l, j, bf16) / t - L, 1) * g;
+            if (tg >= j && tg < j + 16) d[tg - j] += g;
+            store16(out, j, d / t, bf16);
+        }
+        for (int j = V16; j < V; j++) {
+            float d = -expf(load1(l, j, bf16) / t - L) * g + (j == tg ? g : 0.0f);
+            d /= t;
+            if (bf16) {
+                const v16 one = {d};
+                ((uint16_t *)out)[j] = (uint16_t)bf16_bits(one)[0];
+            } else {
+                ((float *)out)[j] = d;
+            }
+        }
+    }
+}

@@ -633,3 +633,108 @@ def test_logprobs_under_bf16_autocast_run_the_native_attention(monkeypatch):
     assert not calls
     assert (lp_native - lp_sdpa).abs().max() < 0.01 and (lp_native - lp_sdpa).abs().mean() < 0.002  # measured 0.0015, 0.0004
     assert (g_native - g_sdpa).norm() / g_sdpa.norm() < 0.02  # measured 0.003
+
+
+needs_native = pytest.mark.skipif(_LIB is None, reason="no native kernels here (no C compiler): torch's ops run")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_native_token_logprobs_are_torchs(dtype, temperature):
+    """keel_token_logprobs on logits of a vocabulary that is no multiple of 16 (the tail), one
+    −inf logit: the log-probs, the entropies and the gradient are what `_chunk_logprobs` (torch's
+    ops) gives from the same logits, each as close to float64 as torch's; a −inf logit adds nothing to
+    its row's entropy (torch's gives NaN: 0 · −inf)."""
+    g = torch.Generator().manual_seed(11)
+    N, V = 37, 1000
+    logits = (torch.randn(N, V, generator=g) * 3).to(dtype)
+    logits[3, 10] = -math.inf
+    targets = torch.randint(0, V, (N,), generator=g)
+    targets[5] = V - 1
+    w = torch.randn(N, generator=g)
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    lp_torch, ent_torch = logprobs._chunk_logprobs(torch.nn.Identity(), a, targets, temperature, True)
+    (lp_torch * w).sum().backward()
+    lp, ent = logprobs._NativeLogprobs.apply(b, targets, temperature, _LIB)
+    (lp * w).sum().backward()
+    assert not ent.requires_grad and torch.isnan(ent_torch[3])
+    x = logits.double() / temperature
+    lsm = torch.log_softmax(x, -1)
+    p = lsm.exp()
+    lp64 = lsm.gather(1, targets[:, None])[:, 0]
+    ent64 = -torch.where(p > 0, p * lsm, torch.zeros_like(p)).sum(-1)
+    grad64 = (torch.nn.functional.one_hot(targets, V).double() - p) * w.double()[:, None] / temperature
+    rows = torch.arange(N) != 3
+    assert (lp.double() - lp64).abs().max() <= 1.5 * (lp_torch.double() - lp64).abs().max() + 1e-7  # measured ≤ 1.0×
+    assert (ent.double() - ent64).abs().max() <= 1.5 * (ent_torch.double() - ent64)[rows].abs().max() + 1e-7
+    err, err_torch = (b.grad.double() - grad64).abs().max(), (a.grad.double() - grad64).abs().max()
+    if dtype == torch.bfloat16:  # the same bf16 values but for a few last-bit roundings (measured 1 and 6 of 37,000)
+        assert err <= 1.01 * err_torch and (a.grad != b.grad).sum() <= 20
+    else:  # vexp is within 2 ulp of expf: measured 3-4× torch's error, 3e-6 of the largest gradient 3.8
+        assert err <= 8 * err_torch + 1e-7 and err < 1e-5
+
+
+@needs_native
+def test_native_token_logprobs_nan_rows_and_threads():
+    """A NaN logit makes its row's log-prob, entropy and gradient NaN (as torch's log_softmax) and
+    leaves the other rows alone; 1 or 2 threads give the same bits."""
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(20, 64 + 5, generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, 69, (20,), generator=g)
+    clean = logprobs._NativeLogprobs.apply(logits, targets, 1.0, _LIB)
+    bad = logits.clone()
+    bad[7, 66] = math.nan
+    x = bad.clone().requires_grad_()
+    lp, ent = logprobs._NativeLogprobs.apply(x, targets, 1.0, _LIB)
+    lp.sum().backward()
+    assert torch.isnan(lp[7]) and torch.isnan(ent[7]) and torch.isnan(x.grad[7].float()).all()
+    others = torch.arange(20) != 7
+    assert torch.equal(lp[others], clean[0][others]) and torch.equal(ent[others], clean[1][others])
+    assert torch.isfinite(x.grad[others].float()).all()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = logprobs._NativeLogprobs.apply(logits, targets, 0.7, _LIB)
+        torch.set_num_threads(2)
+        two = logprobs._NativeLogprobs.apply(logits, targets, 0.7, _LIB)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@needs_native
+def test_logprobs_under_bf16_autocast_run_the_native_logprobs(tiny, monkeypatch):
+    """token_logprobs under bf16 autocast takes every chunk's log-probs and entropies from
+    keel_token_logprobs, and gives torch's ops' values (KEEL_NATIVE_LOGPROBS=0) up to the order of
+    the sums, with the same gradients up to bf16 rounding; out-of-range targets still get torch's
+    error; without autocast (fp32) torch's ops run."""
+    model, tok = tiny
+    model = copy.deepcopy(model).train()
+    ids, attn, target, _ = _batch(tok)
+    calls = []
+    apply = logprobs._NativeLogprobs.apply
+    monkeypatch.setattr(logprobs._NativeLogprobs, "apply", lambda *a: calls.append(a[0].shape) or apply(*a))
+
+    def run(autocast=True, chunk=5):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            lp, ent = token_logprobs(model, ids, attn, target, 0.9, chunk=chunk, with_entropy=True)
+        lp.sum().backward()
+        return lp.detach(), ent, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    lp_native, ent_native, g_native = run()
+    n = int(target.sum())
+    assert len(calls) == -(-n // 5) and sum(s[0] for s in calls) == n  # every chunk
+    monkeypatch.setenv("KEEL_NATIVE_LOGPROBS", "0")
+    calls.clear()
+    lp_torch, ent_torch, g_torch = run()
+    assert not calls
+    assert torch.allclose(lp_native, lp_torch, atol=1e-5) and torch.allclose(ent_native, ent_torch, atol=1e-5)
+    assert (g_native - g_torch).norm() / g_torch.norm() < 1e-3
+    monkeypatch.delenv("KEEL_NATIVE_LOGPROBS")
+    run(autocast=False)
+    assert not calls
+    logits = torch.randn(3, 50).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="out of bounds"):  # the kernel would read past the row
+        logprobs._native_chunk(torch.nn.Identity(), logits, torch.tensor([0, 50, 1]), 1.0, _LIB)
