@@ -474,59 +474,6 @@ def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: f
         return picked, -(logp.exp() * logp).sum(-1)
 
 
-def _native_logprobs(head, h: torch.Tensor):
-    """keel.native's library where the LM head's logits for `h` come out in bf16 on the CPU (bf16
-    autocast on, or bf16 weights and inputs) — `_NativeLogprobs` then takes them — else None.
-    KEEL_NATIVE_LOGPROBS=0 in the environment keeps torch's ops."""
-    if h.device.type != "cpu" or os.environ.get("KEEL_NATIVE_LOGPROBS", "1") == "0":
-        return None
-    weight = getattr(head, "weight", None)
-    autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    if not (autocast or (h.dtype == torch.bfloat16 and weight is not None and weight.dtype == torch.bfloat16)):
-        return None
-    return native.ops()
-
-
-class _NativeLogprobs(torch.autograd.Function):
-    """keel_token_logprobs (keel/decode_ops.c): logits [N, V] (bf16, or fp32), targets [N] →
-    (log-prob of each target [N], entropy of each row [N], no gradient) in fp32, over
-    logits / temperature, as `_chunk_logprobs` computes them from the same logits (its fp32 copy,
-    log_softmax, gather, exp · logp) up to the order of the sums; backward gives log_softmax's
-    gradient rounded to the logits' dtype. It keeps the logits themselves for backward (bf16:
-    2 bytes per vocabulary entry and token, where `_chunk_logprobs` is recomputed in backward not
-    to keep ~0.4 MB per token in fp32), instead of two fp32 passes more."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, temperature, lib):
-        x, tg = logits.contiguous(), targets.contiguous()
-        N, V = x.shape
-        bf16 = int(x.dtype == torch.bfloat16)
-        logp, lse, ent = (torch.empty(N, dtype=torch.float32) for _ in range(3))
-        lib.keel_token_logprobs(x.data_ptr(), V, N, V, tg.data_ptr(), float(temperature), bf16, logp.data_ptr(), lse.data_ptr(), ent.data_ptr())
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(x, tg, lse)
-        ctx.temperature, ctx.lib = float(temperature), lib
-        ctx.mark_non_differentiable(ent)
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad, _):
-        x, tg, lse = ctx.saved_tensors
-        N, V = x.shape
-        g = grad.float().contiguous()
-        dx = torch.empty_like(x)
-        ctx.lib.keel_token_logprobs_backward(x.data_ptr(), V, N, V, tg.data_ptr(), ctx.temperature, int(x.dtype == torch.bfloat16),
-                                             lse.data_ptr(), g.data_ptr(), dx.data_ptr())
-        return dx, None, None, None
-
-
-def _native_chunk(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, lib) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = head(h)
-    if logits.dtype not in (torch.bfloat16, torch.float32) or not bool(((targets >= 0) & (targets < logits.shape[-1])).all()):
-        return _chunk_logprobs(head, h, targets, temperature, True)  # torch's ops say what is wrong
-    return _NativeLogprobs.apply(logits, targets, temperature, lib)
-
-
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -555,17 +502,11 @@ def token_logprobs(
     out, ents = [], []
     # With gradients, each chunk's logits are recomputed in backward instead of kept: autograd
     # would otherwise hold [N, V] fp32 logits and log-softmax (V = 49,152 for SmolLM2: ~0.4 MB
-    # per token, more than the 30 decoder layers' activations) until backward. Where the logits
-    # are bf16 on the CPU, keel_token_logprobs (`_NativeLogprobs`) takes them instead, keeping
-    # the bf16 logits (~0.1 MB per token) rather than computing them twice.
+    # per token, more than the 30 decoder layers' activations) until backward.
     recompute = torch.is_grad_enabled() and h.requires_grad
-    lib = _native_logprobs(head, h)
     for s in range(0, h.shape[0], chunk):
         hs, ts = h[s : s + chunk], targets[s : s + chunk]
-        if lib is not None:
-            lp, ent = _native_chunk(head, hs, ts, temperature, lib)
-            ent = ent if with_entropy else ent.new_zeros(0)
-        elif recompute:
+        if recompute:
             lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, head, hs, ts, temperature, with_entropy, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(head, hs, ts, temperature, with_entropy)

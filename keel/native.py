@@ -11,9 +11,7 @@ or bf16), the attention and the sampling in fp32 (keel.decode, keel.rollout._cho
 CPU has AMX or AVX512-BF16 (and the compiler targets it), a bf16 attention whose shared-prefix
 part runs as bf16 matrix products with fp32 sums (`bf16_kernels`); and, with AVX512-BF16, the
 bf16 training attention of keel.logprobs' forwards and backwards under autocast
-(keel_train_attention: torch's CPU flash kernel computes bf16 at fp32 speed without AMX), and
-the log-prob and entropy of each trained token from the LM head's bf16 logits in two passes
-(keel_token_logprobs, where torch's ops made five to eight over fp32 copies).
+(keel_train_attention: torch's CPU flash kernel computes bf16 at fp32 speed without AMX).
 
 No maintained library ships these fused CPU ops for this torch (intel-extension-for-pytorch,
 which did, stopped at torch 2.8), so Keel compiles its own with the system's C compiler, once per
@@ -62,8 +60,6 @@ SIGNATURES = {  # name: (argument types, result type)
     "keel_train_attention_scratch": ([_I, _I, _I, _I, _I, _I, _I], _L),
     "keel_train_attention": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
     "keel_train_attention_backward": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
-    "keel_token_logprobs": ([_P, _L, _I, _I, _P, _F, _I, _P, _P, _P], None),
-    "keel_token_logprobs_backward": ([_P, _L, _I, _I, _P, _F, _I, _P, _P, _P], None),
 }
 
 
