@@ -247,7 +247,8 @@ def micro_batches(sequences: list[list[int]], max_rows: int, max_tokens: int = 0
     own micro-batch. Cutting where the rows stop sharing (GRPO's groups: one prompt, several
     samples) and where lengths jump saves the positions a greedy fill would pad or encode again:
     on the KG task (2 prompts × 4 samples, 2,048-position cap) the greedy fill put a row of the
-    second group with the first four and encoded 2,137 positions; cut at the groups, 1,624.
+    second group with the first four and encoded 2,137 positions besides the system block; cut
+    at the groups, 1,624.
     Worked example: lengths 100, 100, 300 with no shared prefix, max_tokens 300 → [[0, 1], [2]]
     (200 + 300 positions; [[0], [1], [2]] also 500 but one micro-batch more).
     """
