@@ -192,6 +192,20 @@ def test_micro_batch_cost_is_what_the_forward_encodes():
         assert len(micro_batches(seqs, max_rows=n, max_tokens=cost - 1)) > 1
 
 
+def _right_padded(rows: list[list[int]], first_target: int, also: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, target_mask) of right-padded rows; targets: every real position
+    from `first_target` on, and position `also`."""
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)] = torch.tensor(row)
+        attn[b, : len(row)] = 1
+    tmask = attn.bool().clone()
+    tmask[:, :first_target] = False
+    tmask[:, also] = True
+    return ids, attn, tmask
+
+
 def test_update_wide_prefix_gives_the_per_micro_batch_gradients(tiny):
     """SharedPrefix: the prefix encoded once for two micro-batches gives the values and weight
     gradients of each micro-batch encoding it itself."""
@@ -209,15 +223,8 @@ def test_update_wide_prefix_gives_the_per_micro_batch_gradients(tiny):
         pre = SharedPrefix(m, prefix) if shared else None
         values = []
         for part in parts:
-            T = max(len(seqs[i]) for i in part)
-            ids = torch.zeros(len(part), T, dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for b, i in enumerate(part):
-                ids[b, : len(seqs[i])] = torch.tensor(seqs[i])
-                attn[b, : len(seqs[i])] = 1
-            tmask = attn.bool().clone()
-            tmask[:, :41] = False
-            tmask[:, 30] = True  # a target inside the prefix too: the prefix's hidden states get gradients
+            # a target inside the prefix too: the prefix's hidden states get gradients
+            ids, attn, tmask = _right_padded([seqs[i] for i in part], first_target=41, also=30)
             lp, _ = token_logprobs(m, ids, attn, tmask, prefix=pre)
             (lp * torch.linspace(-1, 2, lp.numel())).sum().backward()
             values.append(lp.detach())
@@ -249,17 +256,8 @@ def test_a_groups_question_is_encoded_once_on_top_of_the_update_prefix(tiny):
     parts = [[0, 1, 2], [3, 4]]
     assert micro_batches(seqs, max_rows=8, max_tokens=120) == parts  # 76 + 3×12 = 112, 76 + 2×9 = 94
 
-    def batch(rows):
-        T = max(len(seqs[i]) for i in rows)
-        ids = torch.zeros(len(rows), T, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for b, i in enumerate(rows):
-            ids[b, : len(seqs[i])] = torch.tensor(seqs[i])
-            attn[b, : len(seqs[i])] = 1
-        tmask = attn.bool().clone()
-        tmask[:, :77] = False
-        tmask[:, 60] = True  # a target inside the question: its hidden state is shared by the rows
-        return ids, attn, tmask
+    def batch(rows):  # a target inside the question too: its hidden state is shared by the rows
+        return _right_padded([seqs[i] for i in rows], first_target=77, also=60)
 
     def run(shared: bool):
         m = copy.deepcopy(model).train()
