@@ -55,8 +55,6 @@ static inline v16 hsum16(const v16 v[16]) {
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
-/* 16 values of a row in the dtype, stored from fp32 (rounded to nearest even, as torch rounds; a
- * NaN stays a NaN) */
 /* the bf16 bits of 16 floats (rounded to nearest even, as torch rounds; a NaN stays a NaN), in
  * the low halves of 16 words */
 static inline v16u bf16_bits(v16 f) {
@@ -67,6 +65,8 @@ static inline v16u bf16_bits(v16 f) {
     return (v16u)(((v16i)r & ~nan) | ((v16i)((u >> 16) | 0x40u) & nan));
 }
 
+/* 16 values of a row in the dtype, stored from fp32 (rounded to nearest even, as torch rounds; a
+ * NaN stays a NaN) */
 static inline void store16(void *p, long i, v16 f, int bf16) {
     if (bf16) {
         v16h h = __builtin_convertvector(bf16_bits(f), v16h);
@@ -88,11 +88,7 @@ static inline v16 round16(v16 f, int bf16) {
 #endif
         return f;
     }
-    v16u u;
-    memcpy(&u, &f, sizeof u);
-    v16i nan = (v16i)((u & 0x7fffffffu) > 0x7f800000u);
-    v16u r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
-    r = (v16u)(((v16i)r & ~nan) | ((v16i)u & nan));
+    const v16u r = bf16_bits(f) << 16;
     memcpy(&f, &r, sizeof f);
     return f;
 }

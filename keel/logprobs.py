@@ -253,19 +253,17 @@ def micro_batches(sequences: list[list[int]], max_rows: int, max_tokens: int = 0
     (200 + 300 positions; [[0], [1], [2]] also 500 but one micro-batch more).
     """
     n = len(sequences)
-    # the lcp of rows i..j is the least lcp of neighbours in it (capped at the shortest − 1)
+    # the lcp of rows i..j is the least lcp of neighbours in it (each at most the shorter's length − 1)
     pair = [common_prefix_len([sequences[i], sequences[i + 1]]) for i in range(n - 1)]
     best: list[tuple[int, int] | None] = [(0, 0)] + [None] * n  # best[j]: (positions, micro-batches) of rows [0, j)
     cut = [0] * (n + 1)
     for i in range(n):
         if best[i] is None:
             continue
-        lcp, longest, shortest = len(sequences[i]) - 1, len(sequences[i]), len(sequences[i])
+        lcp, longest = len(sequences[i]) - 1, len(sequences[i])
         for j in range(i + 1, min(n, i + max_rows) + 1):  # the micro-batch of rows [i, j)
-            seq = sequences[j - 1]
             if j > i + 1:
-                longest, shortest = max(longest, len(seq)), min(shortest, len(seq))
-                lcp = min(lcp, pair[j - 2], shortest - 1)
+                longest, lcp = max(longest, len(sequences[j - 1])), min(lcp, pair[j - 2])
             shared = lcp if lcp >= MIN_SHARED_PREFIX else 0
             cost = shared + (j - i) * (longest - shared)
             if j > i + 1 and 0 < max_tokens < cost:
@@ -436,28 +434,23 @@ def _hidden_states_of(body, input_ids: torch.Tensor, attention_mask: torch.Tenso
     # HF drops the cache inside checkpointed layers while training, so with gradient
     # checkpointing on, the prefix cannot be shared: one plain forward instead
     checkpointing = body.training and getattr(body, "gradient_checkpointing", False)
-    if prefix is not None and not checkpointing and prefix.matches(input_ids, attention_mask):
-        L = len(prefix)
-        shared = shared_prefix_len(input_ids, attention_mask) if B > 1 else L
-        if shared == L:
-            pre_hidden, cache = prefix.states(B)
-        else:  # the rows share more than the update's prefix (a GRPO group's question): that too once
-            hidden, cache = prefix.states(1)
-            more = body(input_ids=input_ids[:1, L:shared], position_ids=torch.arange(L, shared, device=input_ids.device)[None],
-                        past_key_values=cache, use_cache=True)
-            cache = more.past_key_values
-            cache.batch_repeat_interleave(B)
-            pre_hidden = torch.cat([hidden, more.last_hidden_state], dim=1).expand(B, shared, -1)
-            L = shared
+    # L: positions already encoded (the update's SharedPrefix, when the rows start with it);
+    # shared: what the rows share, encoded once on top of it (a GRPO group's question)
+    L = len(prefix) if prefix is not None and not checkpointing and prefix.matches(input_ids, attention_mask) else 0
+    shared = max(L, shared_prefix_len(input_ids, attention_mask))
+    if not L and (shared < MIN_SHARED_PREFIX or checkpointing):
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
+    if shared == L:
+        pre_hidden, cache = prefix.states(B)
     else:
-        L = shared_prefix_len(input_ids, attention_mask)
-        if L < MIN_SHARED_PREFIX or checkpointing:
-            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-            return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
-        pre = body(input_ids=input_ids[:1, :L], use_cache=True)
-        cache = pre.past_key_values
+        hidden, cache = prefix.states(1) if L else (None, None)
+        more = body(input_ids=input_ids[:1, L:shared], position_ids=torch.arange(L, shared, device=input_ids.device)[None],
+                    past_key_values=cache, use_cache=True)
+        cache = more.past_key_values
         cache.batch_repeat_interleave(B)
-        pre_hidden = pre.last_hidden_state.expand(B, L, -1)
+        pre_hidden = (more.last_hidden_state if hidden is None else torch.cat([hidden, more.last_hidden_state], dim=1)).expand(B, shared, -1)
+        L = shared
     positions = torch.arange(L, T, device=input_ids.device).expand(B, T - L)  # right padding: index = position
     rest = body(input_ids=input_ids[:, L:], attention_mask=attention_mask, position_ids=positions, past_key_values=cache, use_cache=True)
     return torch.cat([pre_hidden, rest.last_hidden_state], dim=1)
