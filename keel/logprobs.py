@@ -8,7 +8,9 @@ LM head in chunks over those rows only.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, fields
@@ -217,9 +219,97 @@ class _NativeAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class _NativeRotary(torch.autograd.Function):
+    """keel_rotary_train (keel/decode_ops.c): transformers' `apply_rotary_pos_emb` for one of q, k
+    in one pass where x is fp32 or bf16 and cos, sin are fp32 (fp32 training; bf16 autocast, where
+    the projections' outputs are bf16 and the rotary runs in fp32 by type promotion) — the same
+    roundings as its four ops (x·cos, rotate_half's cat, ·sin, +), bit for bit, forward and
+    backward (tests/test_logprobs.py). x [B, H, T, D] (any dense layout: the projections' output
+    transposed), cos and sin [B or 1, T, D] → fp32 in x's layout."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, lib):
+        B, H, T, D = x.shape
+        out = torch.empty_like(x, dtype=torch.float32)  # x's strides
+        cb = cos.stride(0) if cos.shape[0] > 1 else 0
+        lib.keel_rotary_train(x.data_ptr(), *x.stride()[:3], int(x.dtype == torch.bfloat16), cos.data_ptr(), sin.data_ptr(), cb,
+                              out.data_ptr(), *out.stride()[:3], B, H, T, D)
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype, ctx.cb, ctx.lib = x.dtype, cb, lib
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        g = grad.float()
+        if g.stride(-1) != 1:
+            g = g.contiguous()
+        B, H, T, D = g.shape
+        dx = torch.empty_like(g, dtype=ctx.dtype)
+        ctx.lib.keel_rotary_train_backward(g.data_ptr(), *g.stride()[:3], cos.data_ptr(), sin.data_ptr(), ctx.cb, dx.data_ptr(),
+                                           *dx.stride()[:3], int(ctx.dtype == torch.bfloat16), B, H, T, D)
+        return dx, None, None, None
+
+
+# transformers modules whose `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` is Llama's
+# (q·cos + rotate_half(q)·sin over the whole head dim), which `_native_rotary` may stand in for
+ROTARY_MODULES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its storage span once, in some order of its dims (a contiguous
+    tensor, or one transposed): `torch.empty_like` then lays a new tensor out the same way."""
+    span = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.shape[d] != 1 and t.stride(d) != span:
+            return False
+        span *= t.shape[d]
+    return True
+
+
+def _rotary_ready(x, cos, sin, lib) -> bool:
+    return (x.device.type == "cpu" and x.dim() == 4 and x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == sin.dtype == torch.float32
+            and cos.shape == sin.shape and cos.dim() == 4 and cos.shape[1] == 1 and cos.shape[0] in (1, x.shape[0])
+            and cos.shape[2:] == x.shape[2:] and x.shape[-1] % 32 == 0 and x.stride(-1) == 1 and _dense(x)
+            and cos[:, 0].is_contiguous() and sin[:, 0].is_contiguous() and cos.stride() == sin.stride() and not cos.requires_grad
+            and not sin.requires_grad)
+
+
+@contextlib.contextmanager
+def _native_rotary(body):
+    """Run `body` with `_NativeRotary` in place of its module's `apply_rotary_pos_emb` (a Llama-family
+    transformers module, keel.native's library loaded), for the inputs it takes; others, and
+    other models, go to transformers' own function. Values and gradients are the same either way."""
+    layers = getattr(body, "layers", None)
+    attn = getattr(layers[0], "self_attn", None) if layers is not None and len(layers) else None
+    module = sys.modules.get(type(attn).__module__) if attn is not None else None
+    original = getattr(module, "apply_rotary_pos_emb", None)
+    lib = native.ops() if module is not None and module.__name__.rsplit(".", 1)[-1].removeprefix("modeling_") in ROTARY_MODULES else None
+    if lib is None or original is None or getattr(original, "_keel_native", False):
+        yield
+        return
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim == 1:
+            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+            if _rotary_ready(q, c, s, lib) and _rotary_ready(k, c, s, lib):
+                return _NativeRotary.apply(q, c[:, 0], s[:, 0], lib), _NativeRotary.apply(k, c[:, 0], s[:, 0], lib)
+        return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+    apply_rotary_pos_emb._keel_native = True
+    module.apply_rotary_pos_emb = apply_rotary_pos_emb
+    try:
+        yield
+    finally:
+        module.apply_rotary_pos_emb = original
+
+
+@contextlib.contextmanager
 def training_attention(body):
-    """Run `body` (a transformers decoder) with `_training_sdpa` inside, where it used SDPA."""
-    return cascade.in_place_of_sdpa(body.config, TRAINING_ATTENTION, _training_sdpa)
+    """Run `body` (a transformers decoder) with `_training_sdpa` inside, where it used SDPA, and
+    keel.native's rotary (`_native_rotary`)."""
+    with cascade.in_place_of_sdpa(body.config, TRAINING_ATTENTION, _training_sdpa), _native_rotary(body):
+        yield
 
 
 PREFIX_SEGMENT = 192  # positions of the shared prefix whose graph `SharedPrefix.backward` holds at once

@@ -631,3 +631,98 @@ def test_logprobs_under_bf16_autocast_run_the_native_attention(monkeypatch):
     assert not calls
     assert (lp_native - lp_sdpa).abs().max() < 0.01 and (lp_native - lp_sdpa).abs().mean() < 0.002  # measured 0.0015, 0.0004
     assert (g_native - g_sdpa).norm() / g_sdpa.norm() < 0.02  # measured 0.003
+
+
+needs_native = pytest.mark.skipif(_LIB is None, reason="no native kernels here (no C compiler): torch's ops run")
+
+
+def _rotary_inputs(B: int, T: int, cos_rows: int, seed: int = 13):
+    """Leaf x [B, T, 96] and projections to 3 query heads and 1 key head of 32 (their outputs
+    transposed to [B, heads, T, 32], as transformers' attention lays them out), and Llama's cos,
+    sin [cos_rows, T, 32] for positions 5 .. 5+T-1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, 96, generator=g)
+    wq, wk = torch.randn(96, 96, generator=g) / 10, torch.randn(32, 96, generator=g) / 10
+    inv = 1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32))
+    freqs = (torch.arange(5, 5 + T).float()[:, None] * inv).expand(cos_rows, T, 16)
+    emb = torch.cat([freqs, freqs], -1)
+    return x, wq, wk, emb.cos(), emb.sin(), [torch.randn(B, 3, T, 32, generator=g), torch.randn(B, 1, T, 32, generator=g)]
+
+
+@needs_native
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("B,T,cos_rows", [(1, 7, 1), (3, 20, 3), (2, 9, 1)])
+def test_native_rotary_is_transformers_bit_for_bit(autocast, B, T, cos_rows):
+    """keel_rotary_train (`_NativeRotary`) gives transformers' apply_rotary_pos_emb's q and k and
+    their gradients through the projections bit for bit, in fp32 and under bf16 autocast (bf16
+    projections, fp32 rotary), cos and sin per row or broadcast; its output has the same layout."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    def native(q, k, cos, sin):
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        assert logprobs._rotary_ready(q, c, s, _LIB) and logprobs._rotary_ready(k, c, s, _LIB)
+        return logprobs._NativeRotary.apply(q, cos, sin, _LIB), logprobs._NativeRotary.apply(k, cos, sin, _LIB)
+
+    results = []
+    for fn in (apply_rotary_pos_emb, native):
+        x, wq, wk, cos, sin, weights = _rotary_inputs(B, T, cos_rows)
+        for t in (x, wq, wk):
+            t.requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            q = torch.nn.functional.linear(x, wq).view(B, T, 3, 32).transpose(1, 2)
+            k = torch.nn.functional.linear(x, wk).view(B, T, 1, 32).transpose(1, 2)
+            qe, ke = fn(q, k, cos, sin)
+        assert q.dtype == (torch.bfloat16 if autocast else torch.float32) and qe.dtype == torch.float32
+        ((qe * weights[0]).sum() + (ke * weights[1]).sum()).backward()
+        results.append([qe.detach(), ke.detach(), x.grad, wq.grad, wk.grad])
+    hf, ours = results
+    assert hf[0].stride() == ours[0].stride()
+    for a, b in zip(hf, ours):
+        assert torch.equal(a, b)
+
+
+@needs_native
+@pytest.mark.parametrize("autocast", [False, True])
+def test_training_forwards_run_the_native_rotary_and_change_no_bit(monkeypatch, autocast):
+    """token_logprobs with a shared prefix (head dim 32) runs `_NativeRotary` for q and k in every
+    layer of both of its forwards, and gives the same log-probs and gradients, bit for bit, as
+    transformers' own rotary (the model's module taken off ROTARY_MODULES); the module's function
+    is its own again afterwards, and inputs the kernel does not take go to it."""
+    import transformers.models.llama.modeling_llama as llama
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from keel.models import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=3,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=512, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).train()
+    ids, attn, target, _ = _batch(tok)
+    calls = []
+    apply = logprobs._NativeRotary.apply
+    monkeypatch.setattr(logprobs._NativeRotary, "apply", lambda *a: calls.append(a[0].shape) or apply(*a))
+    original = llama.apply_rotary_pos_emb
+
+    def run():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            lp, _ = token_logprobs(model, ids, attn, target, 1.0)
+        lp.sum().backward()
+        return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    lp_native, g_native = run()
+    assert len(calls) == 2 * 2 * cfg.num_hidden_layers  # q and k; the shared prefix's forward and the rows' own
+    assert llama.apply_rotary_pos_emb is original
+    monkeypatch.setattr(logprobs, "ROTARY_MODULES", ())
+    calls.clear()
+    lp_hf, g_hf = run()
+    assert not calls
+    assert torch.equal(lp_native, lp_hf) and torch.equal(g_native, g_hf)
+    monkeypatch.undo()
+    with logprobs._native_rotary(model.model):  # q, k as [B, T, heads, D]: transformers' function takes them
+        q, k = torch.randn(2, 5, 3, 32), torch.randn(2, 5, 1, 32)
+        cos, sin = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+        assert all(torch.equal(a, b) for a, b in zip(llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2),
+                                                     original(q, k, cos, sin, unsqueeze_dim=2)))
+    assert llama.apply_rotary_pos_emb is original
