@@ -267,12 +267,15 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _rotary_ready(x, cos, sin, lib) -> bool:
-    return (x.device.type == "cpu" and x.dim() == 4 and x.dtype in (torch.float32, torch.bfloat16) and cos.dtype == sin.dtype == torch.float32
-            and cos.shape == sin.shape and cos.dim() == 4 and cos.shape[1] == 1 and cos.shape[0] in (1, x.shape[0])
-            and cos.shape[2:] == x.shape[2:] and x.shape[-1] % 32 == 0 and x.stride(-1) == 1 and _dense(x)
-            and cos[:, 0].is_contiguous() and sin[:, 0].is_contiguous() and cos.stride() == sin.stride() and not cos.requires_grad
-            and not sin.requires_grad)
+def _rotary_ready(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `_NativeRotary` takes x [B, H, T, D] with cos, sin [B or 1, 1, T, D] (unsqueezed as
+    transformers does): on the CPU, x fp32 or bf16 in a dense layout with D contiguous (a multiple
+    of 32), cos and sin fp32 rows of D without gradients."""
+    return (x.device.type == "cpu" and x.dim() == 4 and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 32 == 0
+            and x.stride(-1) == 1 and _dense(x)
+            and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape and cos.dim() == 4 and cos.shape[1] == 1
+            and cos.shape[0] in (1, x.shape[0]) and cos.shape[2:] == x.shape[2:] and cos.stride() == sin.stride()
+            and cos[:, 0].is_contiguous() and not (cos.requires_grad or sin.requires_grad))
 
 
 @contextlib.contextmanager
@@ -292,7 +295,7 @@ def _native_rotary(body):
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if unsqueeze_dim == 1:
             c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-            if _rotary_ready(q, c, s, lib) and _rotary_ready(k, c, s, lib):
+            if _rotary_ready(q, c, s) and _rotary_ready(k, c, s):
                 return _NativeRotary.apply(q, c[:, 0], s[:, 0], lib), _NativeRotary.apply(k, c[:, 0], s[:, 0], lib)
         return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 

@@ -660,7 +660,7 @@ def test_native_rotary_is_transformers_bit_for_bit(autocast, B, T, cos_rows):
 
     def native(q, k, cos, sin):
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        assert logprobs._rotary_ready(q, c, s, _LIB) and logprobs._rotary_ready(k, c, s, _LIB)
+        assert logprobs._rotary_ready(q, c, s) and logprobs._rotary_ready(k, c, s)
         return logprobs._NativeRotary.apply(q, cos, sin, _LIB), logprobs._NativeRotary.apply(k, cos, sin, _LIB)
 
     results = []
