@@ -11,7 +11,9 @@ or bf16), the attention and the sampling in fp32 (keel.decode, keel.rollout._cho
 CPU has AMX or AVX512-BF16 (and the compiler targets it), a bf16 attention whose shared-prefix
 part runs as bf16 matrix products with fp32 sums (`bf16_kernels`); and, with AVX512-BF16, the
 bf16 training attention of keel.logprobs' forwards and backwards under autocast
-(keel_train_attention: torch's CPU flash kernel computes bf16 at fp32 speed without AMX).
+(keel_train_attention: torch's CPU flash kernel computes bf16 at fp32 speed without AMX). The
+training forwards' rotary (keel_rotary_train, forward and backward) runs transformers' four ops
+in one pass with their roundings, bit for bit.
 
 No maintained library ships these fused CPU ops for this torch (intel-extension-for-pytorch,
 which did, stopped at torch 2.8), so Keel compiles its own with the system's C compiler, once per
