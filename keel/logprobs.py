@@ -550,7 +550,11 @@ def _hidden_states_of(body, input_ids: torch.Tensor, attention_mask: torch.Tenso
 
 
 def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = head(h).float()
+    return _logits_logprobs(head(h), targets, temperature, with_entropy)
+
+
+def _logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.float()
     if temperature != 1.0:  # x / 1.0 == x: skip a pass over [chunk, vocab]
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
@@ -587,14 +591,16 @@ def token_logprobs(
     targets = input_ids[target_mask]  # [N]
     head = model.get_output_embeddings()
     out, ents = [], []
-    # With gradients, each chunk's logits are recomputed in backward instead of kept: autograd
-    # would otherwise hold [N, V] fp32 logits and log-softmax (V = 49,152 for SmolLM2: ~0.4 MB
-    # per token, more than the 30 decoder layers' activations) until backward.
+    # With gradients, each chunk's log-softmax is recomputed in backward from its logits, kept in
+    # the head's output dtype (bf16 under autocast: 0.1 MB per token for V = 49,152): autograd
+    # would otherwise hold an fp32 copy and the log-softmax too (~0.4 MB per token, more than the
+    # 30 decoder layers' activations) until backward. Recomputing the head's product as well, as
+    # checkpointing the whole chunk does, would cost one more [N, H] × [H, V] product.
     recompute = torch.is_grad_enabled() and h.requires_grad
     for s in range(0, h.shape[0], chunk):
         hs, ts = h[s : s + chunk], targets[s : s + chunk]
         if recompute:
-            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, head, hs, ts, temperature, with_entropy, use_reentrant=False)
+            lp, ent = torch.utils.checkpoint.checkpoint(_logits_logprobs, head(hs), ts, temperature, with_entropy, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(head, hs, ts, temperature, with_entropy)
         out.append(lp)

@@ -63,9 +63,9 @@ def _grads(model, ids, attn, tmask, chunk):
 
 
 def test_recomputed_head_and_gradient_checkpointing_give_the_plain_gradient(tiny):
-    """The LM head's chunks are recomputed in backward (token_logprobs) and decoder layers can be
-    too (model.gradient_checkpointing); values, entropies and gradients equal a plain autograd
-    pass through the full logits."""
+    """Each LM-head chunk's log-softmax is recomputed in backward from its kept logits
+    (token_logprobs) and decoder layers can be too (model.gradient_checkpointing); values,
+    entropies and gradients equal a plain autograd pass through the full logits."""
     model, _ = tiny
     model = copy.deepcopy(model).train()
     g = torch.Generator().manual_seed(3)
