@@ -163,45 +163,32 @@ void keel_rotary(void *qkv, const void *cos, const void *sin, int rows, int head
 /* Training rotary: transformers' apply_rotary_pos_emb for one of q, k — out = x·cos + rotate_half(x)·sin
  * — where x is fp32 or bf16 (bf16 autocast: the projections' outputs) and cos, sin are fp32, so
  * that torch computes in fp32: x upcast, each product and the sum rounded to fp32, the result fp32.
- * x [B, H, T, D] at strides (xb, xh, xt, 1), out fp32 at strides (ob, oh, ot, 1); cos and sin
- * [B or 1, T, D] rows of D (batch stride cb: 0 where broadcast). */
-void keel_rotary_train(const void *x, long xb, long xh, long xt, int xbf16, const float *cos, const float *sin, long cb, float *out,
-                       long ob, long oh, long ot, int B, int H, int T, int D) {
+ * Forward: src = x (bf16 or fp32: src_bf16), dst = out (fp32). Backward (`backward` set), as
+ * autograd computes it through transformers' ops: src = the gradient of out (fp32), dst = x's
+ * gradient in x's dtype (dst_bf16): each product's gradient (g·cos, g·sin) rounded to x's dtype
+ * (the mul's input), rotate_half's two halves swapped and the first negated, summed with the x·cos
+ * path in x's dtype. src and dst [B, H, T, D] at strides (sb, sh, st, 1) and (db, dh, dt, 1); cos
+ * and sin [B or 1, T, D] rows of D (batch stride cb: 0 where broadcast). */
+void keel_rotary_train(const void *src, long sb, long sh, long st, int src_bf16, const float *cos, const float *sin, long cb,
+                       void *dst, long db, long dh, long dt, int dst_bf16, int backward, int B, int H, int T, int D) {
     const int half = D / 2;
     const long rows = (long)B * H * T;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (long r = 0; r < rows; r++) {
         const long b = r / ((long)H * T), h = (r / T) % H, t = r % T;
-        const long xo = b * xb + h * xh + t * xt, oo = b * ob + h * oh + t * ot, c = b * cb + t * D;
+        const long so = b * sb + h * sh + t * st, o = b * db + h * dh + t * dt, c = b * cb + t * D;
         for (int i = 0; i < half; i += 16) {
-            v16 x1 = load16(x, xo + i, xbf16), x2 = load16(x, xo + half + i, xbf16);
+            v16 v1 = load16(src, so + i, src_bf16), v2 = load16(src, so + half + i, src_bf16);
             v16 c1 = load16(cos, c + i, 0), c2 = load16(cos, c + half + i, 0);
             v16 s1 = load16(sin, c + i, 0), s2 = load16(sin, c + half + i, 0);
-            store16(out, oo + i, round16(x1 * c1, 0) + round16(-x2 * s1, 0), 0);
-            store16(out, oo + half + i, round16(x2 * c2, 0) + round16(x1 * s2, 0), 0);
-        }
-    }
-}
-
-/* Its backward as autograd computes it through transformers' ops: g (fp32, strides gb, gh, gt) the
- * gradient of out; each product's gradient (g·cos, g·sin) rounded to x's dtype (the mul's input),
- * rotate_half's two halves swapped and the first negated, summed with the x·cos path in x's dtype
- * → dx at strides (db, dh, dt). */
-void keel_rotary_train_backward(const float *g, long gb, long gh, long gt, const float *cos, const float *sin, long cb, void *dx,
-                                long db, long dh, long dt, int xbf16, int B, int H, int T, int D) {
-    const int half = D / 2;
-    const long rows = (long)B * H * T;
-#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
-    for (long r = 0; r < rows; r++) {
-        const long b = r / ((long)H * T), h = (r / T) % H, t = r % T;
-        const long go = b * gb + h * gh + t * gt, xo = b * db + h * dh + t * dt, c = b * cb + t * D;
-        for (int i = 0; i < half; i += 16) {
-            v16 g1 = load16(g, go + i, 0), g2 = load16(g, go + half + i, 0);
-            v16 c1 = load16(cos, c + i, 0), c2 = load16(cos, c + half + i, 0);
-            v16 s1 = load16(sin, c + i, 0), s2 = load16(sin, c + half + i, 0);
-            v16 r1 = round16(g1 * s1, xbf16), r2 = round16(g2 * s2, xbf16); /* rotate_half's output gradient */
-            store16(dx, xo + i, round16(g1 * c1, xbf16) + r2, xbf16);
-            store16(dx, xo + half + i, round16(g2 * c2, xbf16) - r1, xbf16);
+            if (!backward) {
+                store16(dst, o + i, round16(v1 * c1, 0) + round16(-v2 * s1, 0), 0);
+                store16(dst, o + half + i, round16(v2 * c2, 0) + round16(v1 * s2, 0), 0);
+            } else {
+                v16 r1 = round16(v1 * s1, dst_bf16), r2 = round16(v2 * s2, dst_bf16); /* rotate_half's output gradient */
+                store16(dst, o + i, round16(v1 * c1, dst_bf16) + r2, dst_bf16);
+                store16(dst, o + half + i, round16(v2 * c2, dst_bf16) - r1, dst_bf16);
+            }
         }
     }
 }

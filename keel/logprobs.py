@@ -233,7 +233,7 @@ class _NativeRotary(torch.autograd.Function):
         out = torch.empty_like(x, dtype=torch.float32)  # x's strides
         cb = cos.stride(0) if cos.shape[0] > 1 else 0
         lib.keel_rotary_train(x.data_ptr(), *x.stride()[:3], int(x.dtype == torch.bfloat16), cos.data_ptr(), sin.data_ptr(), cb,
-                              out.data_ptr(), *out.stride()[:3], B, H, T, D)
+                              out.data_ptr(), *out.stride()[:3], 0, 0, B, H, T, D)
         ctx.save_for_backward(cos, sin)
         ctx.dtype, ctx.cb, ctx.lib = x.dtype, cb, lib
         return out
@@ -246,8 +246,8 @@ class _NativeRotary(torch.autograd.Function):
             g = g.contiguous()
         B, H, T, D = g.shape
         dx = torch.empty_like(g, dtype=ctx.dtype)
-        ctx.lib.keel_rotary_train_backward(g.data_ptr(), *g.stride()[:3], cos.data_ptr(), sin.data_ptr(), ctx.cb, dx.data_ptr(),
-                                           *dx.stride()[:3], int(ctx.dtype == torch.bfloat16), B, H, T, D)
+        ctx.lib.keel_rotary_train(g.data_ptr(), *g.stride()[:3], 0, cos.data_ptr(), sin.data_ptr(), ctx.cb, dx.data_ptr(),
+                                  *dx.stride()[:3], int(ctx.dtype == torch.bfloat16), 1, B, H, T, D)
         return dx, None, None, None
 
 

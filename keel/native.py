@@ -62,8 +62,7 @@ SIGNATURES = {  # name: (argument types, result type)
     "keel_train_attention_scratch": ([_I, _I, _I, _I, _I, _I, _I], _L),
     "keel_train_attention": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
     "keel_train_attention_backward": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
-    "keel_rotary_train": ([_P, _L, _L, _L, _I, _P, _P, _L, _P, _L, _L, _L, _I, _I, _I, _I], None),
-    "keel_rotary_train_backward": ([_P, _L, _L, _L, _P, _P, _L, _P, _L, _L, _L, _I, _I, _I, _I, _I], None),
+    "keel_rotary_train": ([_P, _L, _L, _L, _I, _P, _P, _L, _P, _L, _L, _L, _I, _I, _I, _I, _I, _I], None),
 }
 
 

@@ -597,11 +597,9 @@ def test_bf16_training_attention_gives_the_same_bits_on_any_number_of_threads():
             assert torch.equal(a, b)
 
 
-@needs_bf16_attention
-def test_logprobs_under_bf16_autocast_run_the_native_attention(monkeypatch):
-    """token_logprobs of a grouped-query model under bf16 autocast (head dim 32, the shared prefix
-    and padding of _batch) goes through _NativeAttention in every layer's forwards, and its
-    log-probs and gradients are SDPA's up to bf16 rounding (KEEL_TRAIN_ATTENTION=0 keeps SDPA)."""
+def _gqa_model():
+    """A 2-layer Llama in training mode with head dim 32 (what the native training kernels take):
+    3 query heads, 1 key/value head; and the tiny tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from keel.models import load_tokenizer
@@ -610,7 +608,15 @@ def test_logprobs_under_bf16_autocast_run_the_native_attention(monkeypatch):
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=3,
                       num_key_value_heads=1, head_dim=32, max_position_embeddings=512, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).train()
+    return LlamaForCausalLM(cfg).train(), tok
+
+
+@needs_bf16_attention
+def test_logprobs_under_bf16_autocast_run_the_native_attention(monkeypatch):
+    """token_logprobs of a grouped-query model under bf16 autocast (head dim 32, the shared prefix
+    and padding of _batch) goes through _NativeAttention in every layer's forwards, and its
+    log-probs and gradients are SDPA's up to bf16 rounding (KEEL_TRAIN_ATTENTION=0 keeps SDPA)."""
+    model, tok = _gqa_model()
     ids, attn, target, _ = _batch(tok)
     calls = []
     apply = logprobs._NativeAttention.apply
@@ -624,7 +630,7 @@ def test_logprobs_under_bf16_autocast_run_the_native_attention(monkeypatch):
         return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
     lp_native, g_native = run()
-    assert len(calls) == 2 * cfg.num_hidden_layers  # the shared prefix's forward and the rows' own, each layer
+    assert len(calls) == 2 * model.config.num_hidden_layers  # the shared prefix's forward and the rows' own, each layer
     monkeypatch.setenv("KEEL_TRAIN_ATTENTION", "0")
     calls.clear()
     lp_sdpa, g_sdpa = run()
@@ -689,15 +695,7 @@ def test_training_forwards_run_the_native_rotary_and_change_no_bit(monkeypatch, 
     transformers' own rotary (the model's module taken off ROTARY_MODULES); the module's function
     is its own again afterwards, and inputs the kernel does not take go to it."""
     import transformers.models.llama.modeling_llama as llama
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from keel.models import load_tokenizer
-
-    tok = load_tokenizer("tiny")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=3,
-                      num_key_value_heads=1, head_dim=32, max_position_embeddings=512, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).train()
+    model, tok = _gqa_model()
     ids, attn, target, _ = _batch(tok)
     calls = []
     apply = logprobs._NativeRotary.apply
@@ -712,7 +710,7 @@ def test_training_forwards_run_the_native_rotary_and_change_no_bit(monkeypatch, 
         return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
 
     lp_native, g_native = run()
-    assert len(calls) == 2 * 2 * cfg.num_hidden_layers  # q and k; the shared prefix's forward and the rows' own
+    assert len(calls) == 2 * 2 * model.config.num_hidden_layers  # q and k; the shared prefix's forward and the rows' own
     assert llama.apply_rotary_pos_emb is original
     monkeypatch.setattr(logprobs, "ROTARY_MODULES", ())
     calls.clear()
