@@ -282,7 +282,9 @@ def _rotary_ready(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool
 def _native_rotary(body):
     """Run `body` with `_NativeRotary` in place of its module's `apply_rotary_pos_emb` (a Llama-family
     transformers module, keel.native's library loaded), for the inputs it takes; others, and
-    other models, go to transformers' own function. Values and gradients are the same either way."""
+    other models, go to transformers' own function. Values and gradients are the same either way,
+    so a forward of the same model family in another thread meanwhile (it sees the module's
+    function replaced) computes what it would have."""
     layers = getattr(body, "layers", None)
     attn = getattr(layers[0], "self_attn", None) if layers is not None and len(layers) else None
     module = sys.modules.get(type(attn).__module__) if attn is not None else None
