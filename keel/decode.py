@@ -116,6 +116,13 @@ def laid_out(weight: torch.Tensor, rows: int = FP32_PACKED_MIN_ROWS):
     return transposed.__rmatmul__  # x ↦ x @ transposed
 
 
+def _rotary_in_place(lib, qkv, cos, sin, rows: int, heads: int, d: int, stride: int, bf16: int) -> None:
+    """keel_rotary on the first `heads` heads of each of the `rows` rows of qkv [rows, stride] (q
+    then k heads side by side, each of dim d), in place; cos, sin [rows, d] in qkv's dtype."""
+    lib.keel_rotary(qkv.data_ptr(), stride, d, 0, bf16, cos.data_ptr(), sin.data_ptr(), bf16, d, qkv.data_ptr(), stride, d, 0, bf16, 0,
+                    rows, heads, 1, d)
+
+
 def _split_heads(qkv, heads: int, kv_heads: int, head_dim: int):
     """The q/k/v GEMM's output [B, (H + 2·KV)·D] as views: q and k side by side [B, H + KV, D], v [B, KV, D]."""
     B, k_end = qkv.shape[0], (heads + kv_heads) * head_dim
@@ -211,8 +218,7 @@ class _NativeOps:
         return h, out
 
     def rotary(self, qkv, cos, sin, heads: int, kv_heads: int, head_dim: int):
-        self.lib.keel_rotary(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], heads + kv_heads, head_dim, qkv.shape[1],
-                             self.bf16)
+        _rotary_in_place(self.lib, qkv, cos, sin, qkv.shape[0], heads + kv_heads, head_dim, qkv.shape[1], self.bf16)
         qk, v = _split_heads(qkv, heads, kv_heads, head_dim)
         return qk[:, :heads], qk[:, heads:], v
 
@@ -285,7 +291,7 @@ class _NativeOps:
             return None
         kbuf, vbuf, n = got  # `update`'s own buffers: contiguous [B, KV, capacity, D], both of one shape
         row = qkv.stride(0)
-        self.lib.keel_rotary(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), B, heads + kv_heads, D, row, self.bf16)
+        _rotary_in_place(self.lib, qkv, cos, sin, B, heads + kv_heads, D, row, self.bf16)
         self.lib.keel_append_kv(qkv.data_ptr(), row, kbuf.data_ptr(), vbuf.data_ptr(), kbuf.stride(0), kbuf.stride(1), n, B, heads,
                                 kv_heads, D, self.bf16)
         return self._attention(i, qkv.data_ptr(), row, layer, kbuf, vbuf, n + 1, prepared, B, heads, kv_heads, D, scale,

@@ -140,50 +140,31 @@ void keel_add_rms_norm(void *h, const void *delta, const void *weight, void *out
     }
 }
 
-/* Rotary embedding on the first `heads` heads of each row of qkv [rows, stride] (q then k heads
- * side by side, each of dim d), in place: x*cos + rotate_half(x)*sin with cos/sin [rows, d] in the
- * dtype, each product rounded before the sum as in transformers' forward. */
-void keel_rotary(void *qkv, const void *cos, const void *sin, int rows, int heads, int d, long stride, int bf16) {
-    const int half = d / 2;
-#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
-    for (int r = 0; r < rows; r++) {
-        for (int hd = 0; hd < heads; hd++) {
-            long o = (long)r * stride + (long)hd * d, c = (long)r * d;
-            for (int i = 0; i < half; i += 16) {
-                v16 x1 = load16(qkv, o + i, bf16), x2 = load16(qkv, o + half + i, bf16);
-                v16 c1 = load16(cos, c + i, bf16), c2 = load16(cos, c + half + i, bf16);
-                v16 s1 = load16(sin, c + i, bf16), s2 = load16(sin, c + half + i, bf16);
-                store16(qkv, o + i, round16(x1 * c1, bf16) + round16(-x2 * s1, bf16), bf16);
-                store16(qkv, o + half + i, round16(x2 * c2, bf16) + round16(x1 * s2, bf16), bf16);
-            }
-        }
-    }
-}
-
-/* Training rotary: transformers' apply_rotary_pos_emb for one of q, k — out = x·cos + rotate_half(x)·sin
- * — where x is fp32 or bf16 (bf16 autocast: the projections' outputs) and cos, sin are fp32, so
- * that torch computes in fp32: x upcast, each product and the sum rounded to fp32, the result fp32.
- * Forward: src = x (bf16 or fp32: src_bf16), dst = out (fp32). Backward (`backward` set), as
- * autograd computes it through transformers' ops: src = the gradient of out (fp32), dst = x's
- * gradient in x's dtype (dst_bf16): each product's gradient (g·cos, g·sin) rounded to x's dtype
- * (the mul's input), rotate_half's two halves swapped and the first negated, summed with the x·cos
- * path in x's dtype. src and dst [B, H, T, D] at strides (sb, sh, st, 1) and (db, dh, dt, 1); cos
- * and sin [B or 1, T, D] rows of D (batch stride cb: 0 where broadcast). */
-void keel_rotary_train(const void *src, long sb, long sh, long st, int src_bf16, const float *cos, const float *sin, long cb,
-                       void *dst, long db, long dh, long dt, int dst_bf16, int backward, int B, int H, int T, int D) {
+/* transformers' apply_rotary_pos_emb, out = x·cos + rotate_half(x)·sin, each product rounded to
+ * the result's dtype before the sum as torch computes it: the result is x's dtype when cos and sin
+ * are of it (the decode step, in place on qkv), fp32 when x is bf16 and cos, sin fp32 (bf16
+ * autocast: torch promotes). Forward: src = x (src_bf16), dst = out (dst_bf16). Backward
+ * (`backward` set), as autograd computes it through transformers' ops: src = the gradient of out
+ * (fp32), dst = x's gradient in x's dtype (dst_bf16): each product's gradient (g·cos, g·sin)
+ * rounded to x's dtype (the mul's input), rotate_half's two halves swapped and the first negated,
+ * summed in x's dtype. src and dst [B, H, T, D] at strides (sb, sh, st, 1) and (db, dh, dt, 1)
+ * (they may be the same memory); cos and sin [B or 1, T, D] rows of D (cos_bf16; batch stride cb,
+ * 0 where broadcast). Split over threads from PARALLEL_ROWS positions (b, t) on. */
+void keel_rotary(const void *src, long sb, long sh, long st, int src_bf16, const void *cos, const void *sin, int cos_bf16, long cb,
+                 void *dst, long db, long dh, long dt, int dst_bf16, int backward, int B, int H, int T, int D) {
     const int half = D / 2;
     const long rows = (long)B * H * T;
-#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+#pragma omp parallel for schedule(static) if ((long)B * T >= PARALLEL_ROWS)
     for (long r = 0; r < rows; r++) {
         const long b = r / ((long)H * T), h = (r / T) % H, t = r % T;
         const long so = b * sb + h * sh + t * st, o = b * db + h * dh + t * dt, c = b * cb + t * D;
         for (int i = 0; i < half; i += 16) {
             v16 v1 = load16(src, so + i, src_bf16), v2 = load16(src, so + half + i, src_bf16);
-            v16 c1 = load16(cos, c + i, 0), c2 = load16(cos, c + half + i, 0);
-            v16 s1 = load16(sin, c + i, 0), s2 = load16(sin, c + half + i, 0);
+            v16 c1 = load16(cos, c + i, cos_bf16), c2 = load16(cos, c + half + i, cos_bf16);
+            v16 s1 = load16(sin, c + i, cos_bf16), s2 = load16(sin, c + half + i, cos_bf16);
             if (!backward) {
-                store16(dst, o + i, round16(v1 * c1, 0) + round16(-v2 * s1, 0), 0);
-                store16(dst, o + half + i, round16(v2 * c2, 0) + round16(v1 * s2, 0), 0);
+                store16(dst, o + i, round16(v1 * c1, dst_bf16) + round16(-v2 * s1, dst_bf16), dst_bf16);
+                store16(dst, o + half + i, round16(v2 * c2, dst_bf16) + round16(v1 * s2, dst_bf16), dst_bf16);
             } else {
                 v16 r1 = round16(v1 * s1, dst_bf16), r2 = round16(v2 * s2, dst_bf16); /* rotate_half's output gradient */
                 store16(dst, o + i, round16(v1 * c1, dst_bf16) + r2, dst_bf16);

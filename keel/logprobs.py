@@ -220,22 +220,19 @@ class _NativeAttention(torch.autograd.Function):
 
 
 class _NativeRotary(torch.autograd.Function):
-    """keel_rotary_train (keel/decode_ops.c): transformers' `apply_rotary_pos_emb` for one of q, k
-    in one pass where x is fp32 or bf16 and cos, sin are fp32 (fp32 training; bf16 autocast, where
-    the projections' outputs are bf16 and the rotary runs in fp32 by type promotion) — the same
-    roundings as its four ops (x·cos, rotate_half's cat, ·sin, +), bit for bit, forward and
-    backward (tests/test_logprobs.py). x [B, H, T, D] (any dense layout: the projections' output
-    transposed), cos and sin [B or 1, T, D] → fp32 in x's layout."""
+    """keel_rotary (keel/decode_ops.c, the decode step's): transformers' `apply_rotary_pos_emb` for
+    one of q, k in one pass where x is fp32 or bf16 and cos, sin are fp32 (fp32 training; bf16
+    autocast, where the projections' outputs are bf16 and the rotary runs in fp32 by type
+    promotion) — the same roundings as its four ops (x·cos, rotate_half's cat, ·sin, +), bit for
+    bit, forward and backward (tests/test_logprobs.py). x [B, H, T, D] (D contiguous: the
+    projections' output transposed), cos and sin [B or 1, T, D] → fp32 (in x's layout)."""
 
     @staticmethod
     def forward(ctx, x, cos, sin, lib):
-        B, H, T, D = x.shape
-        out = torch.empty_like(x, dtype=torch.float32)  # x's strides
-        cb = cos.stride(0) if cos.shape[0] > 1 else 0
-        lib.keel_rotary_train(x.data_ptr(), *x.stride()[:3], int(x.dtype == torch.bfloat16), cos.data_ptr(), sin.data_ptr(), cb,
-                              out.data_ptr(), *out.stride()[:3], 0, 0, B, H, T, D)
+        out = torch.empty_like(x, dtype=torch.float32)
+        _rotary(lib, x, cos, sin, out, backward=False)
         ctx.save_for_backward(cos, sin)
-        ctx.dtype, ctx.cb, ctx.lib = x.dtype, cb, lib
+        ctx.dtype, ctx.lib = x.dtype, lib
         return out
 
     @staticmethod
@@ -244,11 +241,17 @@ class _NativeRotary(torch.autograd.Function):
         g = grad.float()
         if g.stride(-1) != 1:
             g = g.contiguous()
-        B, H, T, D = g.shape
         dx = torch.empty_like(g, dtype=ctx.dtype)
-        ctx.lib.keel_rotary_train(g.data_ptr(), *g.stride()[:3], 0, cos.data_ptr(), sin.data_ptr(), ctx.cb, dx.data_ptr(),
-                                  *dx.stride()[:3], int(ctx.dtype == torch.bfloat16), 1, B, H, T, D)
+        _rotary(ctx.lib, g, cos, sin, dx, backward=True)
         return dx, None, None, None
+
+
+def _rotary(lib, src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dst: torch.Tensor, backward: bool) -> None:
+    """keel_rotary from src [B, H, T, D] into dst (each at its own strides), cos and sin fp32."""
+    B, H, T, D = src.shape
+    lib.keel_rotary(src.data_ptr(), *src.stride()[:3], int(src.dtype == torch.bfloat16), cos.data_ptr(), sin.data_ptr(), 0,
+                    cos.stride(0) if cos.shape[0] > 1 else 0, dst.data_ptr(), *dst.stride()[:3], int(dst.dtype == torch.bfloat16),
+                    int(backward), B, H, T, D)
 
 
 # transformers modules whose `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` is Llama's
@@ -256,26 +259,17 @@ class _NativeRotary(torch.autograd.Function):
 ROTARY_MODULES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether t's elements fill its storage span once, in some order of its dims (a contiguous
-    tensor, or one transposed): `torch.empty_like` then lays a new tensor out the same way."""
-    span = 1
-    for d in sorted(range(t.dim()), key=t.stride):
-        if t.shape[d] != 1 and t.stride(d) != span:
-            return False
-        span *= t.shape[d]
-    return True
-
-
-def _rotary_ready(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    """Whether `_NativeRotary` takes x [B, H, T, D] with cos, sin [B or 1, 1, T, D] (unsqueezed as
-    transformers does): on the CPU, x fp32 or bf16 in a dense layout with D contiguous (a multiple
-    of 32), cos and sin fp32 rows of D without gradients."""
-    return (x.device.type == "cpu" and x.dim() == 4 and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 32 == 0
-            and x.stride(-1) == 1 and _dense(x)
-            and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape and cos.dim() == 4 and cos.shape[1] == 1
-            and cos.shape[0] in (1, x.shape[0]) and cos.shape[2:] == x.shape[2:] and cos.stride() == sin.stride()
-            and cos[:, 0].is_contiguous() and not (cos.requires_grad or sin.requires_grad))
+def _rotary_ready(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether `_NativeRotary` takes q, k [B, heads, T, D] with cos, sin [B or 1, T, D] as
+    transformers passes them: on the CPU, q and k fp32 or bf16 with D contiguous (a multiple of
+    32), cos and sin contiguous fp32 without gradients."""
+    if not (q.dim() == k.dim() == 4 and cos.dim() == 3):
+        return False
+    B, _, T, D = q.shape
+    return (all(x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.stride(-1) == 1 for x in (q, k))
+            and k.shape[0] == B and k.shape[2:] == q.shape[2:] and D % 32 == 0
+            and cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape and cos.shape[0] in (1, B) and cos.shape[1:] == (T, D)
+            and cos.is_contiguous() and sin.is_contiguous() and not (cos.requires_grad or sin.requires_grad))
 
 
 @contextlib.contextmanager
@@ -295,10 +289,8 @@ def _native_rotary(body):
         return
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if unsqueeze_dim == 1:
-            c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-            if _rotary_ready(q, c, s) and _rotary_ready(k, c, s):
-                return _NativeRotary.apply(q, c[:, 0], s[:, 0], lib), _NativeRotary.apply(k, c[:, 0], s[:, 0], lib)
+        if unsqueeze_dim == 1 and _rotary_ready(q, k, cos, sin):
+            return _NativeRotary.apply(q, cos, sin, lib), _NativeRotary.apply(k, cos, sin, lib)
         return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
     apply_rotary_pos_emb._keel_native = True

@@ -12,7 +12,7 @@ CPU has AMX or AVX512-BF16 (and the compiler targets it), a bf16 attention whose
 part runs as bf16 matrix products with fp32 sums (`bf16_kernels`); and, with AVX512-BF16, the
 bf16 training attention of keel.logprobs' forwards and backwards under autocast
 (keel_train_attention: torch's CPU flash kernel computes bf16 at fp32 speed without AMX). The
-training forwards' rotary (keel_rotary_train, forward and backward) runs transformers' four ops
+training forwards' rotary (keel_rotary, the decode step's, forward and backward) runs transformers' four ops
 in one pass with their roundings, bit for bit.
 
 No maintained library ships these fused CPU ops for this torch (intel-extension-for-pytorch,
@@ -49,7 +49,7 @@ FLAG_SETS = [["-march=native", "-fopenmp"], ["-march=native"], []]
 _P, _I, _F, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_long
 SIGNATURES = {  # name: (argument types, result type)
     "keel_add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
-    "keel_rotary": ([_P, _P, _P, _I, _I, _I, _L, _I], None),
+    "keel_rotary": ([_P, _L, _L, _L, _I, _P, _P, _I, _L, _P, _L, _L, _L, _I, _I, _I, _I, _I, _I], None),
     "keel_silu_mul": ([_P, _P, _I, _I, _I], None),
     "keel_append_kv": ([_P, _L, _P, _P, _L, _L, _L, _I, _I, _I, _I, _I], None),
     "keel_sample": ([_P, _I, _I, _F, _P, _P, _P, _P], None),
@@ -62,7 +62,6 @@ SIGNATURES = {  # name: (argument types, result type)
     "keel_train_attention_scratch": ([_I, _I, _I, _I, _I, _I, _I], _L),
     "keel_train_attention": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
     "keel_train_attention_backward": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
-    "keel_rotary_train": ([_P, _L, _L, _L, _I, _P, _P, _L, _P, _L, _L, _L, _I, _I, _I, _I, _I, _I], None),
 }
 
 

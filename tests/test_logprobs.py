@@ -659,14 +659,13 @@ def _rotary_inputs(B: int, T: int, cos_rows: int, seed: int = 13):
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("B,T,cos_rows", [(1, 7, 1), (3, 20, 3), (2, 9, 1)])
 def test_native_rotary_is_transformers_bit_for_bit(autocast, B, T, cos_rows):
-    """keel_rotary_train (`_NativeRotary`) gives transformers' apply_rotary_pos_emb's q and k and
+    """keel_rotary (`_NativeRotary`) gives transformers' apply_rotary_pos_emb's q and k and
     their gradients through the projections bit for bit, in fp32 and under bf16 autocast (bf16
     projections, fp32 rotary), cos and sin per row or broadcast; its output has the same layout."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     def native(q, k, cos, sin):
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        assert logprobs._rotary_ready(q, c, s) and logprobs._rotary_ready(k, c, s)
+        assert logprobs._rotary_ready(q, k, cos, sin)
         return logprobs._NativeRotary.apply(q, cos, sin, _LIB), logprobs._NativeRotary.apply(k, cos, sin, _LIB)
 
     results = []
