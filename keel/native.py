@@ -12,8 +12,8 @@ CPU has AMX or AVX512-BF16 (and the compiler targets it), a bf16 attention whose
 part runs as bf16 matrix products with fp32 sums (`bf16_kernels`); and, with AVX512-BF16, the
 bf16 training attention of keel.logprobs' forwards and backwards under autocast
 (keel_train_attention: torch's CPU flash kernel computes bf16 at fp32 speed without AMX). The
-training forwards' rotary (keel_rotary, the decode step's, forward and backward) runs transformers' four ops
-in one pass with their roundings, bit for bit.
+decode step's rotary (keel_rotary) serves the training forwards too, forward and backward:
+transformers' four ops in one pass with their roundings, bit for bit.
 
 No maintained library ships these fused CPU ops for this torch (intel-extension-for-pytorch,
 which did, stopped at torch 2.8), so Keel compiles its own with the system's C compiler, once per
