@@ -7,7 +7,9 @@ rotary construction for every call, dtype round trips in RMSNorm, and seven GEMM
 where four do the same work. `LeanDecoder.step` computes the same function with
 - q, k and v projections as one GEMM, gate and up as one (weights concatenated once per rollout);
 - weights laid out once per rollout in oneDNN's blocked format (`laid_out`; bf16 where oneDNN has
-  bf16 kernels, fp32 for a batch of 4 rows or more), not on every call;
+  bf16 kernels, fp32 for a batch of 4 rows or more), not on every call — or, in bf16 on a CPU
+  with AVX512-BF16, in pairs for keel/decode_ops.c's `keel_linear_pairs`, which gives oneDNN's
+  products bit for bit reading each weight as one stream (`_Pairs`);
 - rotary cos/sin computed once per step for all layers, from the rows' positions;
 - keys and values appended in place to the rollout's growing cache (`cache.layers[i].update`;
   with the native kernels, written by one kernel call straight from the q/k/v GEMM's output into
@@ -107,9 +109,101 @@ def _packs(weight: torch.Tensor, rows: int = FP32_PACKED_MIN_ROWS) -> bool:
     return weight.dtype == torch.float32 and rows >= FP32_PACKED_MIN_ROWS and _onednn_linear()
 
 
+class _Pairs:
+    """x ↦ x @ weight.T for a bf16 weight [out, in] through keel_linear_pairs (AVX512-BF16 dot
+    products, keel/decode_ops.c), the weight laid out once as [out/32][in/2][32] pairs: each tile of
+    32 output columns is one stream, read at the memory's speed at decode shapes. Its outputs are
+    `_Packed`'s bit for bit — the same VDPBF16PS sums in oneDNN's blocks of inputs, whose size
+    `_pair_blocks` finds for the weight's shape (oneDNN's differ for one row and for more: 512 and
+    1,024 for SmolLM2's 1,536-input down projection on a Zen 4 EPYC), else the weight stays with
+    `_Packed` — at 0.5–0.8× its time: SmolLM2-135M's 211 products at 8 rows 9.3–9.9 vs 14.7–19.7
+    ms on that EPYC, 22–24 vs 29–32 ms at 32 rows, and no slower up to 640 rows (LOG.md,
+    thirty-eighth session). x: bf16 [n, in]."""
+
+    __slots__ = ("lib", "packed", "out", "inp", "blocks")
+
+    def __init__(self, lib, weight: torch.Tensor, blocks: tuple[int, int] = (0, 0)):
+        self.lib, self.blocks = lib, blocks  # the input blocks for one row, for more rows
+        self.out, self.inp = weight.shape
+        self.packed = torch.empty(self.out * self.inp // 2, dtype=torch.int32)
+        lib.keel_pack_pairs(weight.contiguous().data_ptr(), self.packed.data_ptr(), self.out, self.inp)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        rows = x.shape[0]
+        y = x.new_empty(rows, self.out)
+        self.lib.keel_linear_pairs(x.data_ptr(), self.packed.data_ptr(), y.data_ptr(), rows, self.out, self.inp, self.blocks[rows > 1])
+        return y
+
+
+PAIR_BLOCKS = (512, 1024, 256, 768, 2048)  # oneDNN's input blocks tried, in order
+_blocks: dict[tuple[int, int, int], tuple[int, int] | None] = {}  # (out, in, threads) → `_pair_blocks`' answer
+
+
+def _boundary_probe(out: int, inp: int, first: int) -> torch.Tensor:
+    """A bf16 weight [out, inp] that shows where a product's sum starts a new block: column c holds
+    2^12 at input 2i (i = first + c, cycling through 0 .. inp/2 - 3), 2^-12 at inputs 2i+2 and
+    2i+3 and -2^12 at input 2i+4, zeros elsewhere. Times a row of 2^12 its terms are 2^24, 1, 1,
+    -2^24: summed in one block the ones are lost against 2^24 (each half its fp32 spacing, rounded
+    to even) and the sum is 0; with a block starting at input 2i+2 that block sums to 2 - 2^24 and
+    the total is 2, which survives the output's rounding to bf16."""
+    i = (first + torch.arange(out)) % (inp // 2 - 2)
+    w = torch.zeros(out, inp)
+    rows = torch.arange(out)
+    w[rows, 2 * i] = 2.0**12
+    w[rows, 2 * i + 2] = w[rows, 2 * i + 3] = 2.0**-12
+    w[rows, 2 * i + 4] = -(2.0**12)
+    return w.to(torch.bfloat16)
+
+
+def _pair_blocks(lib, weight: torch.Tensor) -> tuple[int, int] | None:
+    """The input blocks (for one row, for more) with which `_Pairs` gives `_Packed`'s products for
+    this weight's shape bit for bit, or None (another CPU's oneDNN kernels: AMX tiles sum in
+    another order). Found once per shape and thread count in a process, from PAIR_BLOCKS: on
+    `_boundary_probe` weights, whose every column differs if a block boundary differs (all pairs
+    covered), and on products of the weight itself by random rows."""
+    key = (*weight.shape, torch.get_num_threads())
+    if key not in _blocks:
+        out, inp = weight.shape
+        weights = [_boundary_probe(out, inp, first) for first in range(0, inp // 2 - 2, out)] + [weight]
+        g = torch.Generator().manual_seed(0)
+        agree = dict.fromkeys([(rows, block) for rows in (1, 8, 37) for block in PAIR_BLOCKS], True)
+        for w in weights:
+            onednn, pairs = _Packed(w), _Pairs(lib, w)
+            for rows in (1, 8, 37):
+                x = torch.randn(rows, inp, generator=g) if w is weight else torch.full((rows, inp), 2.0**12)
+                x = x.to(torch.bfloat16)
+                want = onednn(x)
+                for block in PAIR_BLOCKS:
+                    if agree[rows, block]:
+                        pairs.blocks = (block, block)
+                        agree[rows, block] = torch.equal(pairs(x), want)
+        one = next((b for b in PAIR_BLOCKS if agree[1, b]), None)
+        more = next((b for b in PAIR_BLOCKS if agree[8, b] and agree[37, b]), None)
+        _blocks[key] = (one, more) if one and more else None
+    return _blocks[key]
+
+
+def _pairs(weight: torch.Tensor) -> _Pairs | None:
+    """`_Pairs` for this weight where it gives `_Packed`'s values: a CPU bf16 weight of a multiple of
+    32 rows and an even number (≥ 6) of columns, keel.native's AVX512-BF16 kernels built and not
+    turned off (KEEL_DPBF16=0), oneDNN with bf16 kernels to agree with."""
+    out, inp = weight.shape
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or out % 32 or inp % 2 or inp < 6 or not _onednn_bf16():
+        return None
+    lib = native.ops()
+    if "dpbf16" not in native.bf16_kernels(lib):
+        return None
+    blocks = _pair_blocks(lib, weight)
+    return _Pairs(lib, weight, blocks) if blocks else None
+
+
 def laid_out(weight: torch.Tensor, rows: int = FP32_PACKED_MIN_ROWS):
     """The decode step's product by `weight`: a function x ↦ x @ weight.T for x [n, in], laid out
     for a batch of `rows` rows (the decode step's; blocks have more)."""
+    pairs = _pairs(weight)
+    if pairs is not None:
+        return pairs
     if _packs(weight, rows):
         return _Packed(weight)
     transposed = weight.T

@@ -1161,3 +1161,72 @@ void keel_train_attention_backward(const uint16_t *q, const uint16_t *k, const u
     }
 #endif
 }
+
+/* ---- bf16 linear layers on AVX512-BF16 dot products, the decode step's GEMMs ----
+ * y[M, N] = x[M, K] · wᵀ in bf16 for a bf16 weight w[N, K] laid out once by keel_pack_pairs as
+ * [N/32][K/2][32] words (word (t, k2, c) = w[32·t + c, 2·k2 .. 2·k2+1]: each tile of 32 output
+ * columns one stream of K·64 bytes). oneDNN's bf16 matmul (torch's `mkldnn._linear_pointwise` on a
+ * laid-out weight, keel.decode._Packed) sums each output in VDPBF16PS pairs in blocks of `kblock`
+ * inputs, each block from zero, the blocks' sums added in order, and rounds once to bf16: this
+ * kernel does the same instructions in the same order, so its outputs are oneDNN's bit for bit
+ * where `kblock` is oneDNN's (keel.decode._pair_kblock finds it by comparing the two). At decode
+ * shapes it reads the weights as one stream each: SmolLM2-135M's 211 products at 8 rows take
+ * 9.3–9.9 ms against oneDNN's 14.7–19.7 ms on a Zen 4 EPYC, where a read of the 270 MB of weights
+ * takes 8.3 ms (LOG.md, thirty-eighth session). Call only where keel_dpbf16() returned 1; N a
+ * multiple of 32, K and kblock even. */
+void keel_pack_pairs(const uint16_t *w, uint32_t *p, int N, int K) {
+#ifdef KEEL_DPBF16
+    const int K2 = K / 2;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < N / 32; t++)
+        for (int c = 0; c < 32; c++) {
+            const uint32_t *row = (const uint32_t *)(w + (long)(32 * t + c) * K);
+            uint32_t *dst = p + (long)t * K2 * 32 + c;
+            for (int k2 = 0; k2 < K2; k2++) dst[(long)k2 * 32] = row[k2];
+        }
+#endif
+}
+
+#ifdef KEEL_DPBF16
+#define PAIRS_MR(mr, ...)                  \
+    switch (mr) {                          \
+    case 1: ta_tile(1, __VA_ARGS__); break; \
+    case 2: ta_tile(2, __VA_ARGS__); break; \
+    case 3: ta_tile(3, __VA_ARGS__); break; \
+    case 4: ta_tile(4, __VA_ARGS__); break; \
+    case 5: ta_tile(5, __VA_ARGS__); break; \
+    case 6: ta_tile(6, __VA_ARGS__); break; \
+    case 7: ta_tile(7, __VA_ARGS__); break; \
+    default: ta_tile(8, __VA_ARGS__); break; \
+    }
+#endif
+
+void keel_linear_pairs(const uint16_t *x, const uint32_t *p, uint16_t *y, int M, int N, int K, int kblock) {
+#ifdef KEEL_DPBF16
+    const int K2 = K / 2, B2 = kblock / 2;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < N / 32; t++) {
+        const uint32_t *tile = p + (long)t * K2 * 32;
+        for (int m = 0; m < M; m += 8) {
+            const int mr = M - m < 8 ? M - m : 8;
+            const uint16_t *a = x + (long)m * K;
+            float sum[8 * 32], part[8 * 32];
+            for (int k2 = 0; k2 < K2; k2 += B2) {
+                const int n2 = K2 - k2 < B2 ? K2 - k2 : B2;
+                PAIRS_MR(mr, 2, a + 2 * k2, K, tile + (long)k2 * 32, 32, k2 ? part : sum, 32, n2, 0);
+                if (k2)
+                    for (int i = 0; i < mr * 32; i += 16)
+                        _mm512_storeu_ps(sum + i, _mm512_add_ps(_mm512_loadu_ps(sum + i), _mm512_loadu_ps(part + i)));
+            }
+            for (int r = 0; r < mr; r++) {
+                uint16_t *out = y + (long)(m + r) * N + 32 * t;
+                _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sum + 32 * r)));
+                _mm256_storeu_si256((__m256i *)(out + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sum + 32 * r + 16)));
+            }
+        }
+    }
+#endif
+}
+#ifdef KEEL_DPBF16
+#undef PAIRS_MR
+#endif

@@ -13,7 +13,9 @@ part runs as bf16 matrix products with fp32 sums (`bf16_kernels`); and, with AVX
 bf16 training attention of keel.logprobs' forwards and backwards under autocast
 (keel_train_attention: torch's CPU flash kernel computes bf16 at fp32 speed without AMX). The
 decode step's rotary (keel_rotary) serves the training forwards too, forward and backward:
-transformers' four ops in one pass with their roundings, bit for bit.
+transformers' four ops in one pass with their roundings, bit for bit. With AVX512-BF16 the
+decode step's bf16 linear layers are keel_linear_pairs: oneDNN's sums in oneDNN's order, the
+weights read as one stream a tile (keel.decode._Pairs).
 
 No maintained library ships these fused CPU ops for this torch (intel-extension-for-pytorch,
 which did, stopped at torch 2.8), so Keel compiles its own with the system's C compiler, once per
@@ -62,6 +64,8 @@ SIGNATURES = {  # name: (argument types, result type)
     "keel_train_attention_scratch": ([_I, _I, _I, _I, _I, _I, _I], _L),
     "keel_train_attention": ([_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
     "keel_train_attention_backward": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
+    "keel_pack_pairs": ([_P, _P, _I, _I], None),
+    "keel_linear_pairs": ([_P, _P, _P, _I, _I, _I, _I], None),
 }
 
 

@@ -117,6 +117,7 @@ def test_packed_bf16_weights_give_the_same_episodes_bit_for_bit(tiny, monkeypatc
     if not decode._packs(probe):
         pytest.skip("this CPU's oneDNN has no bf16 kernels")
     bf16 = (copy.deepcopy(model).to(torch.bfloat16).eval(), tok)
+    monkeypatch.setattr(decode, "_pairs", lambda weight: None)  # oneDNN's kernels, not keel_linear_pairs (below)
     assert isinstance(LeanDecoder(bf16[0]).lm_head, decode._Packed)
     packed = _episodes(bf16, lean=True, temperature=0.7)
     monkeypatch.setattr(decode, "_packs", lambda weight, rows: False)
@@ -124,3 +125,89 @@ def test_packed_bf16_weights_give_the_same_episodes_bit_for_bit(tiny, monkeypatc
     assert [t.token_ids for t in packed] == [t.token_ids for t in plain]
     assert [t.logprobs for t in packed] == [t.logprobs for t in plain]
     assert sum(t.num_policy_tokens for t in packed) > 60
+
+
+def _pairs_or_skip(weight: torch.Tensor):
+    pairs = decode._pairs(weight)
+    if pairs is None:
+        pytest.skip("keel_linear_pairs does not serve here (no AVX512-BF16 kernels, or oneDNN sums in other blocks)")
+    return pairs
+
+
+def _pair_sums(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """keel_linear_pairs' arithmetic in torch ops, one fp32 rounding per step: per input pair
+    (2i, 2i+1), the odd product added then the even one (VDPBF16PS), each block of `block` inputs
+    summed from zero, the blocks' sums added in order, rounded once to bf16."""
+    x, w = x.float(), w.float()
+    total = None
+    for start in range(0, x.shape[1], block):
+        acc = torch.zeros(x.shape[0], w.shape[0])
+        for j in range(start, min(start + block, x.shape[1]), 2):
+            acc = acc + x[:, j + 1, None] * w[None, :, j + 1]
+            acc = acc + x[:, j, None] * w[None, :, j]
+        total = acc if total is None else total + acc
+    return total.to(torch.bfloat16)
+
+
+def test_pairs_kernel_sums_pairs_in_blocks_as_documented():
+    """keel_linear_pairs against its arithmetic written out in torch ops (`_pair_sums`), for row
+    counts across its 8-row tiles and blocks that split the inputs unevenly, whatever oneDNN does
+    on this CPU."""
+    lib = decode.native.ops()
+    if "dpbf16" not in decode.native.bf16_kernels(lib):
+        pytest.skip("no AVX512-BF16 kernels here")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 40, generator=g).to(torch.bfloat16)
+    pairs = decode._Pairs(lib, w)
+    for rows in (1, 5, 8, 11):
+        x = (torch.randn(rows, 40, generator=g) * 3).to(torch.bfloat16)
+        for block in (16, 40, 64):
+            pairs.blocks = (block, block)
+            assert torch.equal(pairs(x), _pair_sums(x, w, block)), (rows, block)
+
+
+def test_boundary_probe_shows_each_block_start():
+    """`_boundary_probe`, times a row of 2^12: 2 where a block starts at input 2i+2 (columns c with
+    2(c mod 6) + 2 a multiple of the block), 0 elsewhere — the values worked out in its docstring."""
+    w = decode._boundary_probe(32, 16, 0)  # 16 inputs: i cycles 0..5
+    x = torch.full((1, 16), 2.0**12).to(torch.bfloat16)
+    for block in (4, 8):
+        want = torch.tensor([[2.0 if (2 * (c % 6) + 2) % block == 0 else 0.0 for c in range(32)]])
+        assert torch.equal(_pair_sums(x, w, block).float(), want), block
+
+
+def test_pairs_give_onednn_products_bit_for_bit():
+    """Where `_pairs` serves a weight, its products are `_Packed`'s to the last bit at every row
+    count (one row and more sum in different blocks for 1,536 inputs on a Zen 4 EPYC)."""
+    g = torch.Generator().manual_seed(1)
+    for inp in (576, 1536):  # SmolLM2-135M's layers' inputs
+        w = (torch.randn(96, inp, generator=g) * 0.05).to(torch.bfloat16)
+        pairs, onednn = _pairs_or_skip(w), decode._Packed(w)
+        assert all(b in decode.PAIR_BLOCKS for b in pairs.blocks)
+        for rows in (1, 2, 3, 8, 9, 16, 37, 100):
+            x = torch.randn(rows, inp, generator=g).to(torch.bfloat16)
+            assert torch.equal(pairs(x), onednn(x)), (inp, rows)
+
+
+def test_a_weight_no_block_agrees_for_stays_with_onednn(monkeypatch):
+    w = torch.randn(64, 576, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    _pairs_or_skip(w)
+    monkeypatch.setattr(decode, "_blocks", {})
+    monkeypatch.setattr(decode, "PAIR_BLOCKS", (6,))  # no oneDNN sums in blocks of 6 inputs
+    assert decode._pairs(w) is None and isinstance(decode.laid_out(w), decode._Packed)
+    assert decode._blocks == {(64, 576, torch.get_num_threads()): None}
+
+
+def test_pair_weights_give_the_same_episodes_bit_for_bit(tiny, monkeypatch):
+    """bf16 sampler on keel_linear_pairs vs on oneDNN's kernels: the same token ids and log-probs."""
+    model, tok = tiny
+    bf16 = (copy.deepcopy(model).to(torch.bfloat16).eval(), tok)
+    _pairs_or_skip(model.lm_head.weight.detach().to(torch.bfloat16))
+    assert isinstance(LeanDecoder(bf16[0]).lm_head, decode._Pairs)
+    ours = _episodes(bf16, lean=True, temperature=0.7)
+    monkeypatch.setattr(decode, "_pairs", lambda weight: None)
+    assert isinstance(LeanDecoder(bf16[0]).lm_head, decode._Packed)
+    onednn = _episodes(bf16, lean=True, temperature=0.7)
+    assert [t.token_ids for t in ours] == [t.token_ids for t in onednn]
+    assert [t.logprobs for t in ours] == [t.logprobs for t in onednn]
+    assert sum(t.num_policy_tokens for t in ours) > 60
