@@ -24,7 +24,8 @@ Then the limit, measured in the same run: (a) this machine's memory bandwidth (a
 a 256 MB tensor: bytes read + written per second), (b) the model's linear layers alone at the
 bench's batch and each dtype — every weight matrix once, LM head included, one row per batch
 element, each weight laid out as Keel's decode step lays it out (`keel.decode.laid_out`: the
-weights in oneDNN's blocked format, bf16 where its bf16 kernels exist, fp32 at batch 4 or more) — the floor any decode engine
+weights in oneDNN's blocked format, bf16 where its bf16 kernels exist, fp32 at batch 4 or more;
+bf16 in pairs for keel_linear_pairs where the CPU has AVX512-BF16 and it gives oneDNN's values) — the floor any decode engine
 built on these GEMM kernels has per step, with the time the weights alone take to stream at (a), and (c) Keel's decode step (rollout time minus
 prefill, per new token), as ratios to (b). (b) is measured right after each Keel rollout of its
 dtype, and `decode_step_vs_linears_*` is the median over repetitions of each rollout's step over

@@ -16,7 +16,6 @@ import weakref
 from dataclasses import dataclass, fields
 
 import torch
-import torch.utils.checkpoint
 
 from keel import cascade, native
 from keel.types import Source, Trajectory
@@ -543,20 +542,68 @@ def _hidden_states_of(body, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return torch.cat([pre_hidden, rest.last_hidden_state], dim=1)
 
 
-def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _logits_logprobs(head(h), targets, temperature, with_entropy)
+_HEAD_SCRATCH = threading.local()  # three growing fp32 [rows, vocab] buffers per thread for `_HeadLogprobs`
 
 
-def _logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = logits.float()
+def _head_buffers(rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Three fp32 [rows, vocab] work buffers for `_HeadLogprobs`. On CPU they are kept (grown to
+    the largest chunk: 150 MB at 256 rows of 49,152): a fresh 50 MB tensor is memory the OS maps
+    and zeroes page by page on first touch, which made a chunk's passes (copy, log-softmax, exp,
+    products) ~4× slower than the same passes over memory already touched (80–95 vs 21–24 ms for
+    256 rows, LOG.md, thirty-eighth session). Elsewhere (CUDA's caching allocator reuses memory
+    itself) fresh ones."""
+    if device.type != "cpu":
+        return tuple(torch.empty(rows, vocab, device=device) for _ in range(3))
+    held = getattr(_HEAD_SCRATCH, "held", None)
+    if held is None or held.shape[1] < rows or held.shape[2] != vocab:
+        held = _HEAD_SCRATCH.held = torch.empty(3, rows, vocab)
+    return tuple(held[i, :rows] for i in range(3))
+
+
+def _log_softmax_into(logits: torch.Tensor, temperature: float, x: torch.Tensor, logp: torch.Tensor) -> None:
+    """logp = log_softmax(logits.float() / temperature) with the ops (and so the bits) of the
+    out-of-place `logits.float()`, `/ temperature`, `torch.log_softmax`, into x and logp."""
+    x.copy_(logits)
     if temperature != 1.0:  # x / 1.0 == x: skip a pass over [chunk, vocab]
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    picked = logp.gather(1, targets[:, None])[:, 0]
-    if not with_entropy:
-        return picked, picked.new_zeros(0)
-    with torch.no_grad():
-        return picked, -(logp.exp() * logp).sum(-1)
+        x.div_(temperature)
+    torch._log_softmax(x, 1, False, out=logp)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """(log-probs of `targets`, entropies) of a chunk of the LM head's logits [n, V], as
+    log_softmax(logits.float() / temperature) and a gather would give them, forward and backward
+    bit for bit (tests/test_logprobs.py), over `_head_buffers`: the fp32 copy and the log-softmax are
+    not kept for backward but recomputed there from the logits (which are), as checkpointing the
+    chunk did, into the same buffers. The entropy (no gradient) only with `with_entropy`."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, with_entropy: bool):
+        x, logp, _ = _head_buffers(logits.shape[0], logits.shape[1], logits.device)
+        _log_softmax_into(logits, temperature, x, logp)
+        picked = logp.gather(1, targets[:, None])[:, 0]
+        if with_entropy:
+            entropy = -torch.mul(torch.exp(logp, out=x), logp, out=x).sum(-1)
+        else:
+            entropy = picked.new_zeros(0)
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature = temperature
+        ctx.mark_non_differentiable(entropy)
+        return picked, entropy
+
+    @staticmethod
+    def backward(ctx, grad_picked, _grad_entropy):
+        logits, targets = ctx.saved_tensors
+        x, logp, grad = _head_buffers(logits.shape[0], logits.shape[1], logits.device)
+        _log_softmax_into(logits, ctx.temperature, x, logp)
+        x.zero_().scatter_add_(1, targets[:, None], grad_picked[:, None])  # gather's backward
+        torch._log_softmax_backward_data(x, logp, 1, torch.float32, out=grad)
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad.to(logits.dtype, copy=True), None, None, None
+
+
+def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _HeadLogprobs.apply(head(h), targets, temperature, with_entropy)
 
 
 def token_logprobs(
@@ -588,15 +635,10 @@ def token_logprobs(
     # With gradients, each chunk's log-softmax is recomputed in backward from its logits, kept in
     # the head's output dtype (bf16 under autocast: 0.1 MB per token for V = 49,152): autograd
     # would otherwise hold an fp32 copy and the log-softmax too (~0.4 MB per token, more than the
-    # 30 decoder layers' activations) until backward. Recomputing the head's product as well, as
-    # checkpointing the whole chunk does, would cost one more [N, H] × [H, V] product.
-    recompute = torch.is_grad_enabled() and h.requires_grad
+    # 30 decoder layers' activations) until backward (`_HeadLogprobs`). Recomputing the head's
+    # product as well would cost one more [N, H] × [H, V] product.
     for s in range(0, h.shape[0], chunk):
-        hs, ts = h[s : s + chunk], targets[s : s + chunk]
-        if recompute:
-            lp, ent = torch.utils.checkpoint.checkpoint(_logits_logprobs, head(hs), ts, temperature, with_entropy, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(head, hs, ts, temperature, with_entropy)
+        lp, ent = _chunk_logprobs(head, h[s : s + chunk], targets[s : s + chunk], temperature, with_entropy)
         out.append(lp)
         ents.append(ent)
     logp = torch.cat(out) if out else hidden.new_zeros(0)

@@ -723,3 +723,44 @@ def test_training_forwards_run_the_native_rotary_and_change_no_bit(monkeypatch, 
         assert all(torch.equal(a, b) for a, b in zip(llama.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2),
                                                      original(q, k, cos, sin, unsqueeze_dim=2)))
     assert llama.apply_rotary_pos_emb is original
+
+
+def _chunk_by_autograd(logits, targets, temperature: float):
+    """A chunk's log-probs and entropies as plain autograd ops (what `_HeadLogprobs` stands for)."""
+    x = logits.float()
+    if temperature != 1.0:
+        x = x / temperature
+    logp = torch.log_softmax(x, dim=-1)
+    return logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1).detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_logprobs_equal_autograd_bit_for_bit(dtype, temperature):
+    """`_HeadLogprobs` (work buffers kept across calls, log-softmax recomputed in backward) gives
+    the plain ops' log-probs, entropies and logit gradients to the last bit, chunk after chunk."""
+    g = torch.Generator().manual_seed(0)
+    for rows in (37, 5, 37):  # the buffers grown, then used in part, then again in whole
+        logits = (torch.randn(rows, 1000, generator=g) * 4).to(dtype).requires_grad_()
+        targets = torch.randint(0, 1000, (rows,), generator=g)
+        weights = torch.randn(rows, generator=g)
+        lp, ent = logprobs._HeadLogprobs.apply(logits, targets, temperature, True)
+        (lp * weights).sum().backward()
+        ours = logits.grad
+        logits.grad = None
+        want_lp, want_ent = _chunk_by_autograd(logits, targets, temperature)
+        (want_lp * weights).sum().backward()
+        assert torch.equal(lp, want_lp) and torch.equal(ent, want_ent) and torch.equal(ours, logits.grad)
+        assert ours.dtype == dtype and lp.requires_grad and not ent.requires_grad
+
+
+def test_head_logprobs_gradients_are_not_the_work_buffers():
+    """A gradient handed to autograd is its own tensor: a later chunk's backward, which reuses the
+    buffers, leaves an earlier gradient as it was (fp32 logits, where no cast copies it)."""
+    g = torch.Generator().manual_seed(1)
+    first = torch.randn(8, 300, generator=g, requires_grad=True)
+    logprobs._HeadLogprobs.apply(first, torch.arange(8), 1.0, False)[0].sum().backward()
+    kept = first.grad.clone()
+    second = torch.randn(8, 300, generator=g, requires_grad=True)
+    logprobs._HeadLogprobs.apply(second, torch.arange(8) + 8, 1.0, False)[0].sum().backward()
+    assert torch.equal(first.grad, kept) and not torch.equal(second.grad, kept)
