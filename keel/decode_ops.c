@@ -1169,7 +1169,8 @@ void keel_train_attention_backward(const uint16_t *q, const uint16_t *k, const u
  * laid-out weight, keel.decode._Packed) sums each output in VDPBF16PS pairs in blocks of `kblock`
  * inputs, each block from zero, the blocks' sums added in order, and rounds once to bf16: this
  * kernel does the same instructions in the same order, so its outputs are oneDNN's bit for bit
- * where `kblock` is oneDNN's (keel.decode._pair_kblock finds it by comparing the two). At decode
+ * where `kblock` is oneDNN's for the shape and row count (keel.decode._pair_blocks finds it by
+ * comparing the two; for SmolLM2's down projection it differs between one row and more). At decode
  * shapes it reads the weights as one stream each: SmolLM2-135M's 211 products at 8 rows take
  * 9.3–9.9 ms against oneDNN's 14.7–19.7 ms on a Zen 4 EPYC, where a read of the 270 MB of weights
  * takes 8.3 ms (LOG.md, thirty-eighth session). Call only where keel_dpbf16() returned 1; N a
