@@ -1188,6 +1188,8 @@ void keel_pack_pairs(const uint16_t *w, uint32_t *p, int N, int K) {
 #endif
 }
 
+/* ta_tile at 1-8 rows with the tile's strides known to the compiler: through ta_gemm (runtime
+ * strides) the products at 32 rows took 8-10% longer (LOG.md, thirty-eighth session) */
 #ifdef KEEL_DPBF16
 #define PAIRS_MR(mr, ...)                  \
     switch (mr) {                          \

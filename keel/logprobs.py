@@ -168,7 +168,9 @@ def _visible_keys(mask: torch.Tensor | None, causal: bool, B: int, Tq: int, Tk: 
     return visible
 
 
-_SCRATCH = threading.local()  # a growing fp32 buffer per thread: fresh pages on every call cost ~5% of a call
+# a growing fp32 buffer per thread, for the training attention and the LM head's log-softmax (each
+# uses it within one call): fresh pages on every call cost ~5% of an attention call
+_SCRATCH = threading.local()
 
 
 def _scratch(n: int) -> torch.Tensor:
@@ -542,22 +544,17 @@ def _hidden_states_of(body, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return torch.cat([pre_hidden, rest.last_hidden_state], dim=1)
 
 
-_HEAD_SCRATCH = threading.local()  # three growing fp32 [rows, vocab] buffers per thread for `_HeadLogprobs`
-
-
 def _head_buffers(rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Three fp32 [rows, vocab] work buffers for `_HeadLogprobs`. On CPU they are kept (grown to
-    the largest chunk: 150 MB at 256 rows of 49,152): a fresh 50 MB tensor is memory the OS maps
-    and zeroes page by page on first touch, which made a chunk's passes (copy, log-softmax, exp,
-    products) ~4× slower than the same passes over memory already touched (80–95 vs 21–24 ms for
-    256 rows, LOG.md, thirty-eighth session). Elsewhere (CUDA's caching allocator reuses memory
-    itself) fresh ones."""
+    """Three fp32 [rows, vocab] work buffers for `_HeadLogprobs`: on CPU from `_scratch` (grown to
+    the largest chunk: 150 MB at 256 rows of 49,152), since a fresh 50 MB tensor is memory the OS
+    maps and zeroes page by page on first touch, which made a chunk's passes (copy, log-softmax,
+    exp, products) ~4× slower than the same passes over memory already touched (80–95 vs 21–24 ms
+    for 256 rows, LOG.md, thirty-eighth session). Elsewhere (CUDA's caching allocator reuses
+    memory itself) fresh ones."""
     if device.type != "cpu":
         return tuple(torch.empty(rows, vocab, device=device) for _ in range(3))
-    held = getattr(_HEAD_SCRATCH, "held", None)
-    if held is None or held.shape[1] < rows or held.shape[2] != vocab:
-        held = _HEAD_SCRATCH.held = torch.empty(3, rows, vocab)
-    return tuple(held[i, :rows] for i in range(3))
+    n = rows * vocab
+    return _scratch(3 * n)[: 3 * n].view(3, rows, vocab).unbind(0)
 
 
 def _log_softmax_into(logits: torch.Tensor, temperature: float, x: torch.Tensor, logp: torch.Tensor) -> None:
