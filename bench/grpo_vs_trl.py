@@ -17,6 +17,10 @@ Where the two cannot be made identical (read before quoting the ratio):
   tool-call parser); Keel renders the same Hermes layout itself. Same system text and question.
 - Loss. Keel: token-mean clipped surrogate + k3 KL. TRL 1.16 default `loss_type="dapo"` (also
   token-level normalisation) with `beta` = 1e-4.
+Memory: both sides keep the memory they free for reuse, as the main job does
+(`run.keep_freed_memory`; TRL's process through glibc's MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_, the same settings); `--return-freed-memory`: glibc's defaults on both
+sides, Keel trimming between rollout and update as the trainer does by default.
 What is timed: Keel — `rollout` + rewards + `grpo_update` in this process, after a warm-up
 step. TRL — from `on_step_begin` to `on_step_end` of step 2 of `trainer.train()` (step 1 is the
 warm-up), in a subprocess of the separate TRL virtualenv.
@@ -260,6 +264,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2", help="both sides start from this model: 'smollm2' or a local checkpoint directory (e.g. an SFT run's checkpoints/reference)")
     ap.add_argument("--bf16", action="store_true", help="Keel: bf16 sampler + autocast update; TRL: bf16=True")
+    ap.add_argument("--return-freed-memory", action="store_true",
+                    help="Keel: hand freed memory back to the OS between phases (the trainer's default) instead of keeping it for "
+                         "reuse as the main job does (run.keep_freed_memory)")
     ap.add_argument("--trl-python", default="/tmp/trlenv/bin/python", help="python of a virtualenv with trl==1.16.0 and keel (--no-deps)")
     ap.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -276,6 +283,10 @@ def main() -> None:
     from keel.models import adamw, frozen_copy, frozen_reference, load_model
 
     torch.set_num_threads(args.threads)
+    if not args.return_freed_memory:
+        from keel.memory import keep_freed_memory
+
+        keep_freed_memory()  # as configs/main.yaml's run.keep_freed_memory: the trims below then hand nothing back
     model, tok = load_model(args.model)
     ref = frozen_reference(model, args.bf16)  # the trainer's reference: its Linear weights in bf16 under autocast
     sampler = frozen_copy(model, torch.bfloat16) if args.bf16 else model  # the trainer's bf16 sampler copy
@@ -289,7 +300,12 @@ def main() -> None:
     print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in keel_runs[-1].items()})}", flush=True)
     cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
            "--turns", str(args.turns), "--reps", str(args.reps), "--threads", str(args.threads), "--model", args.model] + (["--bf16"] if args.bf16 else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if not args.return_freed_memory:  # TRL's process keeps its freed memory too: glibc's tunables for what keep_freed_memory sets
+        from keel.memory import KEEP_BELOW_MB
+
+        env.update(MALLOC_MMAP_THRESHOLD_=str(KEEP_BELOW_MB * 2**20), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("TRL_RESULT ")), None)
     if proc.returncode != 0 or line is None:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])

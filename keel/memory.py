@@ -16,6 +16,11 @@ step (logits, the growing cache); mmapped, each of those faults in fresh pages, 
 back after. The main job with 1 MB for the whole run: peak RSS 5,333 → 4,841 MiB, rollouts 15–25%
 slower, updates unchanged, results identical (LOG.md, twentieth session).
 
+The opposite choice, `keep_freed_memory` (`run.keep_freed_memory`, the main job's): nothing is
+handed back, every freed page is reused. Where fresh pages are slow to get, as in a VM that
+returns freed pages to its host, that is faster (the main job 7:25 → 6:45 on an AMD EPYC VM) for
+a higher peak (4.22 → 4.41 GB; LOG.md, thirty-ninth session).
+
 oneDNN, which runs PyTorch's bf16 matrix multiplies on CPU, keeps what it built for every GEMM
 shape it has seen in two caches of 1,024 entries each: its primitive cache
 (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's LRU cache in PyTorch (LRU_CACHE_CAPACITY), each
@@ -38,12 +43,15 @@ import os
 
 from keel.errors import UserError
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
+M_TRIM_THRESHOLD = -1
 HEAP_CEILING_MB = 32  # glibc's ceiling for its dynamic threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+KEEP_BELOW_MB = 1024  # keep_freed_memory: allocations under this come from the heap
 
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": 32, "LRU_CACHE_CAPACITY": 32}  # environment variable → entries
 
 _threshold_mb: float | None = None  # what set_mmap_threshold fixed; None: glibc's own dynamic threshold
+_keep = False  # keep_freed_memory was called: nothing is handed back to the OS
 
 
 @functools.cache
@@ -71,13 +79,37 @@ def set_mmap_threshold(megabytes: float) -> bool:
     return True
 
 
-def _mallopt_threshold(megabytes: float) -> bool:
+def _mallopt(param: int, value: int) -> bool:
     mallopt = _glibc("mallopt")
     if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, int(megabytes * 1024 * 1024)))
+    return bool(mallopt(param, value))
+
+
+def _mallopt_threshold(megabytes: float) -> bool:
+    return _mallopt(M_MMAP_THRESHOLD, int(megabytes * 1024 * 1024))
+
+
+def keep_freed_memory() -> bool:
+    """From now on, memory this process frees stays in it for reuse: glibc serves allocations under
+    KEEP_BELOW_MB from its heap and never trims the heap's top, and `release_free_memory` hands
+    nothing back. Where the OS gives a process fresh pages slowly, re-using them is the faster
+    choice: in a VM whose freed pages go back to the host (free page reporting), a page touched
+    for the first time costs ~0.3 ms per MB against ~0.05 to write it again (256 MB: 71–78 ms
+    against 10–11), and one GRPO update of SmolLM2 on the bench's batch faulted in 0.8–1.1 M pages
+    (3–4 GB) with trims between updates and none with this (13.4–16.7 s against 10.9 s an
+    update); the main job (seed 0) ran 6:45 instead of 7:25 with the same results, its peak RSS
+    4.41 GB instead of 4.22 (LOG.md, thirty-ninth session). The cost: the heap holds its
+    high-water mark. Not reversible within the process. Returns False where there is no glibc
+    `mallopt` (nothing changes there)."""
+    global _keep, _threshold_mb
+    if not (_mallopt_threshold(KEEP_BELOW_MB) and _mallopt(M_TRIM_THRESHOLD, 2**31 - 1)):
+        return False
+    _keep = True
+    _threshold_mb = None  # decoding_heap has nothing to raise
+    return True
 
 
 @contextlib.contextmanager
@@ -101,9 +133,10 @@ def release_free_memory() -> bool:
     """Hand the heap's free pages back to the OS (glibc `malloc_trim(0)`). Between phases of a
     run (rollout → update, after a step or an evaluation) the previous phase's freed tensors sit
     in glibc's heap at sizes the next phase does not reuse well, and count towards peak RSS.
-    Takes milliseconds; returns False where there is no glibc `malloc_trim` (nothing changes)."""
+    Takes milliseconds; returns False where there is no glibc `malloc_trim`, or after
+    `keep_freed_memory` (nothing changes)."""
     trim = _glibc("malloc_trim")
-    if trim is None:
+    if trim is None or _keep:
         return False
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int

@@ -31,7 +31,7 @@ from keel.diagnostics.step_metrics import PieceCache
 from keel.diagnostics.telemetry import ControlFrequencyBaseline
 from keel.errors import UserError
 from keel.evaluate import evaluate_model
-from keel.memory import release_free_memory, set_mmap_threshold
+from keel.memory import keep_freed_memory, release_free_memory, set_mmap_threshold
 from keel.models import DTYPES, LoRA, frozen_copy, frozen_reference, load_model, native_bf16, resolve_device
 from keel.rollout import SamplingParams
 from keel.rundir import append_jsonl, atomic_write_json, atomic_write_text, write_jsonl
@@ -181,6 +181,9 @@ def run_directory(cfg: Config, run_dir: Path, resume: bool, ctx: DistContext, lo
             barrier(ctx)
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
+        if cfg.run.keep_freed_memory:
+            if not keep_freed_memory() and ctx.is_main:
+                print("[keel] warning: run.keep_freed_memory has no effect here (no glibc mallopt)", flush=True)
         if cfg.run.malloc_mmap_threshold_mb:
             if not set_mmap_threshold(cfg.run.malloc_mmap_threshold_mb) and ctx.is_main:
                 print("[keel] warning: run.malloc_mmap_threshold_mb has no effect here (no glibc mallopt)", flush=True)

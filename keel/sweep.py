@@ -17,7 +17,8 @@ seeds Python's and torch's generators itself when it starts, and tests/test_swee
 that a run trained after another in the same process has the same metrics as one resumed in a
 fresh process after a kill. Of the process-wide settings a run makes, torch's CPU thread count
 (`run.threads`) could change the next run's numerics, so it is restored after each run; glibc's
-mmap threshold (`run.malloc_mmap_threshold_mb`) stays, which changes memory use, not results.
+memory settings (`run.malloc_mmap_threshold_mb`, `run.keep_freed_memory`) stay, which changes memory use,
+not results.
 Under torchrun (WORLD_SIZE > 1) a sweep is refused: start `keel train` per run there.
 """
 

@@ -167,3 +167,9 @@ def test_settings_once_refused_mid_run_are_checked_at_load(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config("smoke", overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_keeping_freed_memory_and_returning_it_are_refused_together():
+    assert load_config(None, ["run.keep_freed_memory=true"]).run.keep_freed_memory is True
+    with pytest.raises(ConfigError, match="run.keep_freed_memory and run.malloc_mmap_threshold_mb contradict each other"):
+        load_config(None, ["run.keep_freed_memory=true", "run.malloc_mmap_threshold_mb=1"])

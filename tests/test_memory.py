@@ -95,6 +95,68 @@ def test_decoding_heap_raises_the_threshold_and_sets_it_back_only_when_one_was_f
     assert calls == [memory.HEAP_CEILING_MB, 2]
 
 
+_KEEP_PROBE = """
+import resource, sys
+import torch
+from keel import memory
+""" + _PROBE_RSS + """
+keep = sys.argv[1] == "keep"
+if keep:
+    assert memory.keep_freed_memory()
+
+def cycle():
+    blocks = [torch.ones(1024, 1024) for _ in range(25)] + [torch.ones(16, 1024, 1024)]  # 100 MB in 4 MB tensors, one of 64 MB
+    pin = torch.ones(1024, 1024)  # above them: free() alone cannot shrink the heap's top
+    del blocks
+    return pin
+
+pins = [cycle(), cycle()]  # the second round settles where each size fits
+held = rss_mb()
+trimmed = memory.release_free_memory()
+handed_back = held - rss_mb()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+pins.append(cycle())
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+print(trimmed, handed_back, faults)
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_kept_freed_memory_is_reused_without_page_faults():
+    """164 MB allocated and freed twice (4 MB tensors and one of 64 MB, above glibc's 32 MB
+    ceiling), then a trim, then a third round: with keep_freed_memory the trim hands nothing back
+    and the third round reuses the pages (no more than a few hundred faults, not the ~42,000 of
+    164 MB of fresh 4 KB pages); with glibc's defaults the 64 MB tensor is mmapped anew each round
+    and the trim returns what the heap held, so the third round faults them in again. Fresh
+    processes: the heap's history decides."""
+    import subprocess
+    import sys
+
+    def probe(mode: str) -> tuple[str, float, int]:
+        out = subprocess.run([sys.executable, "-c", _KEEP_PROBE, mode], capture_output=True, text=True, check=True).stdout.split()
+        return out[0], float(out[1]), int(out[2])
+
+    trimmed, handed_back, faults = probe("keep")
+    assert (trimmed, handed_back < 10, faults < 2_000) == ("False", True, True), (trimmed, handed_back, faults)
+    trimmed, handed_back, faults = probe("default")
+    assert (trimmed, handed_back > 50, faults > 15_000) == ("True", True, True), (trimmed, handed_back, faults)
+
+
+def test_keep_freed_memory_turns_trims_and_decoding_heap_into_no_ops(monkeypatch):
+    from keel import memory
+
+    calls = []
+    monkeypatch.setattr(memory, "_mallopt", lambda param, value: calls.append((param, value)) or True)
+    monkeypatch.setattr(memory, "_keep", False)
+    monkeypatch.setattr(memory, "_threshold_mb", 2)
+    assert memory.keep_freed_memory() is True
+    assert calls == [(memory.M_MMAP_THRESHOLD, memory.KEEP_BELOW_MB * 2**20), (memory.M_TRIM_THRESHOLD, 2**31 - 1)]
+    assert memory.release_free_memory() is False
+    with memory.decoding_heap():
+        pass
+    assert len(calls) == 2  # no threshold raised and set back
+
+
 _ONEDNN_PROBE = """
 import torch
 import keel  # caps oneDNN's caches unless the environment names them (keel.memory.limit_onednn_caches)
