@@ -98,10 +98,11 @@ def keep_freed_memory() -> bool:
     nothing back. Where the OS gives a process fresh pages slowly, re-using them is the faster
     choice: in a VM whose freed pages go back to the host (free page reporting), a page touched
     for the first time costs ~0.3 ms per MB against ~0.05 to write it again (256 MB: 71–78 ms
-    against 10–11), and one GRPO update of SmolLM2 on the bench's batch faulted in 0.8–1.1 M pages
-    (3–4 GB) with trims between updates and none with this (13.4–16.7 s against 10.9 s an
-    update); the main job (seed 0) ran 6:45 instead of 7:25 with the same results, its peak RSS
-    4.41 GB instead of 4.22 (LOG.md, thirty-ninth session). The cost: the heap holds its
+    against 10–11). One GRPO update of SmolLM2 on the bench's batch, replayed, faulted in
+    0.7–0.8 M pages (~3 GB) with a trim before each update and none with this: 10.8–12.6 s
+    against 10.8–11.4 s an update (processes alternated), and the main job's seed 0, run back to
+    back, spent 80 s instead of 96 in its SFT steps (6:45 instead of 7:25 in all), with the same
+    results and a peak RSS of 4.41 GB instead of 4.22 (LOG.md, thirty-ninth session). The cost: the heap holds its
     high-water mark. Not reversible within the process. Returns False where there is no glibc
     `mallopt` (nothing changes there)."""
     global _keep, _threshold_mb
