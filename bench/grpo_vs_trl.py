@@ -301,10 +301,10 @@ def main() -> None:
     cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
            "--turns", str(args.turns), "--reps", str(args.reps), "--threads", str(args.threads), "--model", args.model] + (["--bf16"] if args.bf16 else [])
     child_env = dict(os.environ)  # (`env` is the KG environment)
-    if not args.return_freed_memory:  # TRL's process keeps its freed memory too: glibc's tunables for what keep_freed_memory sets
-        from keel.memory import KEEP_BELOW_MB
+    if not args.return_freed_memory:  # TRL's process keeps its freed memory too
+        from keel.memory import kept_memory_environment
 
-        child_env.update(MALLOC_MMAP_THRESHOLD_=str(KEEP_BELOW_MB * 2**20), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
+        child_env.update(kept_memory_environment())
     proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("TRL_RESULT ")), None)
     if proc.returncode != 0 or line is None:

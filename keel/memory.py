@@ -47,6 +47,7 @@ M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
 M_TRIM_THRESHOLD = -1
 HEAP_CEILING_MB = 32  # glibc's ceiling for its dynamic threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 KEEP_BELOW_MB = 1024  # keep_freed_memory: allocations under this come from the heap
+KEEP_TRIM_BYTES = 2**31 - 1  # keep_freed_memory: glibc's trim threshold (the largest int it takes)
 
 ONEDNN_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": 32, "LRU_CACHE_CAPACITY": 32}  # environment variable → entries
 
@@ -106,11 +107,18 @@ def keep_freed_memory() -> bool:
     high-water mark. Not reversible within the process. Returns False where there is no glibc
     `mallopt` (nothing changes there)."""
     global _keep, _threshold_mb
-    if not (_mallopt_threshold(KEEP_BELOW_MB) and _mallopt(M_TRIM_THRESHOLD, 2**31 - 1)):
+    if not (_mallopt_threshold(KEEP_BELOW_MB) and _mallopt(M_TRIM_THRESHOLD, KEEP_TRIM_BYTES)):
         return False
     _keep = True
     _threshold_mb = None  # decoding_heap has nothing to raise
     return True
+
+
+def kept_memory_environment() -> dict[str, str]:
+    """glibc's environment variables that give a new process the thresholds `keep_freed_memory`
+    sets in this one (a process Keel does not run itself, e.g. a baseline's, which has no trims
+    of Keel's to switch off)."""
+    return {"MALLOC_MMAP_THRESHOLD_": str(KEEP_BELOW_MB * 2**20), "MALLOC_TRIM_THRESHOLD_": str(KEEP_TRIM_BYTES)}
 
 
 @contextlib.contextmanager

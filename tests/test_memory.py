@@ -100,8 +100,8 @@ import resource, sys
 import torch
 from keel import memory
 """ + _PROBE_RSS + """
-keep = sys.argv[1] == "keep"
-if keep:
+mode = sys.argv[1]  # keep: keep_freed_memory(); environment: memory.kept_memory_environment() set, no trims; default
+if mode == "keep":
     assert memory.keep_freed_memory()
 
 def cycle():
@@ -112,7 +112,7 @@ def cycle():
 
 pins = [cycle(), cycle()]  # the second round settles where each size fits
 held = rss_mb()
-trimmed = memory.release_free_memory()
+trimmed = memory.release_free_memory() if mode != "environment" else None
 handed_back = held - rss_mb()
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 pins.append(cycle())
@@ -124,20 +124,28 @@ print(trimmed, handed_back, faults)
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_kept_freed_memory_is_reused_without_page_faults():
     """164 MB allocated and freed twice (one tensor of 64 MB, above glibc's 32 MB ceiling, and
-    4 MB ones), then a trim, then a third round: with keep_freed_memory the trim hands nothing back
-    and the third round reuses most pages (1,000–9,000 faults measured: where glibc places each
-    size varies from process to process; not the ~42,000 of 164 MB of fresh 4 KB pages); with glibc's defaults the 64 MB tensor is mmapped anew each round
-    and the trim returns what the heap held, so the third round faults them in again. Fresh
+    4 MB ones), then a trim, then a third round. With keep_freed_memory the trim hands nothing back
+    and the third round reuses most pages: 1,000–9,000 faults measured (where glibc places each
+    size varies from process to process), not the ~42,000 of 164 MB of fresh 4 KB pages; so does
+    a process given `kept_memory_environment` and no trim (18,000–21,000 without it: the 64 MB
+    tensor mmapped anew). With glibc's defaults and the trim, the trim returns what the heap held
+    and the 64 MB tensor is mmapped anew, so the third round faults them all in again. Fresh
     processes: the heap's history decides."""
+    import os
     import subprocess
     import sys
 
-    def probe(mode: str) -> tuple[str, float, int]:
-        out = subprocess.run([sys.executable, "-c", _KEEP_PROBE, mode], capture_output=True, text=True, check=True).stdout.split()
+    from keel.memory import kept_memory_environment
+
+    def probe(mode: str, env: dict[str, str] | None = None) -> tuple[str, float, int]:
+        out = subprocess.run([sys.executable, "-c", _KEEP_PROBE, mode], capture_output=True, text=True, check=True,
+                             env={**os.environ, **(env or {})}).stdout.split()
         return out[0], float(out[1]), int(out[2])
 
     trimmed, handed_back, faults = probe("keep")
     assert (trimmed, handed_back < 10, faults < 15_000) == ("False", True, True), (trimmed, handed_back, faults)
+    _, handed_back, faults = probe("environment", kept_memory_environment())  # a process of glibc's own, no trims
+    assert (handed_back < 10, faults < 15_000) == (True, True), (handed_back, faults)
     trimmed, handed_back, faults = probe("default")
     assert (trimmed, handed_back > 50, faults > 40_000) == ("True", True, True), (trimmed, handed_back, faults)
 
