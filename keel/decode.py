@@ -14,6 +14,9 @@ where four do the same work. `LeanDecoder.step` computes the same function with
 - keys and values appended in place to the rollout's growing cache (`cache.layers[i].update`;
   with the native kernels, written by one kernel call straight from the q/k/v GEMM's output into
   the cache's buffers, `_GrowingLayer.columns`);
+- in bf16 where every product is `_Pairs` and the kernels serve the model, the whole layer loop
+  of a step in one C call (`_FusedLayers`, keel_decode_layers: the same kernels in the same
+  order, so the same bits, without ~70 µs of Python and ctypes a layer between them);
 - everything between the GEMMs in one of two implementations with the same interface:
   `_NativeOps`, where keel.native could build its C kernels (keel/decode_ops.c) and the model's
   shapes fit them: the residual add with the next RMSNorm, rotary on q and k, SwiGLU and the whole
@@ -49,6 +52,7 @@ None from `LeanDecoder.build` and keep transformers' forward.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -412,6 +416,83 @@ class _NativeOps:
         return out
 
 
+class _FusedLayers:
+    """A decode step's decoder layers in one call of keel_decode_layers (keel/decode_ops.c): the
+    calls `LeanDecoder._layers` makes through `_NativeOps.rotary_attend`, made by C in the same
+    order on buffers of the same shapes, so logits and cache are the same bit for bit
+    (tests/test_native.py); at 8–16 rows the Python and ctypes between the kernels were ~2 ms of a
+    ~14–22 ms bf16 step. For a bf16 decoder on `_NativeOps` whose every layer product is `_Pairs`
+    (AVX512-BF16; `build` gives None otherwise, and KEEL_FUSED_STEP=0 in the environment turns it
+    off). The table holds each layer's weights, norms and input blocks; its cache buffers and
+    prefix layout are filled in every step."""
+
+    COLUMNS = 6  # the table's first per-step column: key buffer, value buffer, prefix keys, prefix values
+
+    def __init__(self, lib, decoder: "LeanDecoder"):
+        self.lib = lib
+        fields = lib.keel_decode_layer_fields()
+        rows = []
+        for w in decoder.layers:
+            products = (w.wqkv, w.wo, w.wgu, w.wdown)
+            rows.append([p.packed.data_ptr() for p in products] + [w.ln1.data_ptr(), w.ln2.data_ptr(), 0, 0, 0, 0]
+                        + [b for p in products for b in p.blocks])
+        self.table = torch.tensor(rows, dtype=torch.int64)
+        if self.table.shape[1] != fields:
+            raise RuntimeError(f"keel.decode: keel_decode_layers reads {fields} fields a layer, the table has {self.table.shape[1]}")
+        self.ops = decoder.ops  # the ops it was made for (a caller may swap the decoder's)
+        self.keep = decoder.layers  # the table points into their weights
+
+    @staticmethod
+    def build(decoder: "LeanDecoder") -> "_FusedLayers | None":
+        ops = decoder.ops
+        if (os.environ.get("KEEL_FUSED_STEP", "1") == "0" or not isinstance(ops, _NativeOps) or not ops.bf16
+                or not all(isinstance(p, _Pairs) for w in decoder.layers for p in (w.wqkv, w.wo, w.wgu, w.wdown))
+                or not all(w.ln1.dtype == torch.bfloat16 and w.ln1.is_contiguous() and w.ln2.is_contiguous() for w in decoder.layers)
+                or not decoder.norm.is_contiguous()):
+            return None
+        return _FusedLayers(ops.lib, decoder)
+
+    def __call__(self, d: "LeanDecoder", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prepared, cache) -> torch.Tensor | None:
+        """The final norm's output [B, hidden] after every layer (h updated in place, each layer's
+        cache one column longer), or None with nothing done where the cache cannot be appended to
+        in place this step (buffers full or not the layers' own, layers of different lengths,
+        layouts): the caller then runs the per-layer loop."""
+        layers = cache.layers
+        if len(layers) != len(d.layers) or not hasattr(layers[0], "free_columns"):
+            return None
+        free = [layer.free_columns(1) for layer in layers]
+        if any(f is None for f in free):
+            return None
+        kbuf, vbuf, n = free[0]
+        if any(f[2] != n or f[0].stride() != kbuf.stride() or f[1].stride() != kbuf.stride() for f in free):
+            return None
+        prefixes = [layer.prefix for layer in layers]
+        P = prefixes[0][0].shape[-2] if prefixes[0] is not None else 0
+        if any((p[0].shape[-2] if p is not None else 0) != P for p in prefixes):
+            return None
+        mask, scratch = prepared
+        if mask.shape[1] != P + n + 1:
+            raise RuntimeError(f"keel.decode: the mask covers {mask.shape[1]} keys, the layers have {P} shared + {n + 1} own")
+        ops = d.ops
+        laid = [ops._prefix(i, layer) for i, layer in enumerate(layers)] if P else [(None, None)] * len(layers)
+        kernel = ops.KERNELS.index(ops.kernel) if P else 0
+        for layer in layers:
+            if layer.columns(1) is None:
+                raise RuntimeError("keel.decode: a cache layer refused the columns its free_columns offered")
+        c = self.COLUMNS
+        self.table[:, c : c + 4] = torch.tensor([[f[0].data_ptr(), f[1].data_ptr(), k.data_ptr() if k is not None else 0,
+                                                  v.data_ptr() if v is not None else 0] for f, (k, v) in zip(free, laid)])
+        B, hidden = h.shape
+        H, KV, D, I = d.heads, d.kv_heads, d.head_dim, d.intermediate
+        x, o, down = h.new_empty(B, hidden), h.new_empty(B, hidden), h.new_empty(B, hidden)
+        qkv, att, gu, act = h.new_empty(B, (H + 2 * KV) * D), h.new_empty(B, H * D), h.new_empty(B, 2 * I), h.new_empty(B, I)
+        self.lib.keel_decode_layers(self.table.data_ptr(), len(layers), h.data_ptr(), x.data_ptr(), qkv.data_ptr(), att.data_ptr(),
+                                    o.data_ptr(), gu.data_ptr(), act.data_ptr(), down.data_ptr(), d.norm.data_ptr(), cos.data_ptr(),
+                                    sin.data_ptr(), mask.data_ptr(), mask.stride(0), scratch.data_ptr(), kbuf.stride(0), kbuf.stride(1),
+                                    n, P, kernel, B, hidden, H, KV, D, I, ops.eps, d.scale)
+        return x
+
+
 class _Layer:
     __slots__ = ("wqkv", "wo", "wgu", "wdown", "ln1", "ln2")
 
@@ -452,6 +533,7 @@ class LeanDecoder:
             self.layers = [_Layer(layer, rows) for layer in inner.layers]
         lib = native.ops() if _NativeOps.serves(self) else None
         self.ops = _NativeOps(lib, self.eps, self.embed.dtype) if lib is not None else _TorchOps(self.eps)
+        self.fused = _FusedLayers.build(self)  # None: the per-layer loop
 
     @staticmethod
     def build(model, rows: int = FP32_PACKED_MIN_ROWS) -> "LeanDecoder | None":
@@ -529,6 +611,10 @@ class LeanDecoder:
         mask = ops.prepare(attn, prefix[0].shape[-2] if prefix is not None else 0, H, KV, dtype, D)
 
         in_place = isinstance(ops, _NativeOps)
+        if self.fused is not None and ops is self.fused.ops:
+            x = self.fused(self, h, cos, sin, mask, cache)
+            if x is not None:
+                return self.lm_head(x).float()
 
         def attend(i, qkv):  # [B, (H + 2·KV)·D] → [B, H·D]
             layer = cache.layers[i]

@@ -1233,3 +1233,57 @@ void keel_linear_pairs(const uint16_t *x, const uint32_t *p, uint16_t *y, int M,
 #ifdef KEEL_DPBF16
 #undef PAIRS_MR
 #endif
+
+/* ---- one decode step's decoder layers in one call ---- */
+
+/* keel.decode.LeanDecoder._layers for a bf16 model whose products are all keel_linear_pairs: per
+ * layer the q/k/v product, rotary in place on its rows, the step's keys and values appended at
+ * column `col` of the layer's cache buffers, the attention over [shared prefix ‖ col + 1 own
+ * columns] (`kernel`: 0 keel_decode_attention, 1 its amx form, 2 its dpbf16 form), the output
+ * product, the residual add and RMSNorm, the gate/up product, SwiGLU, the down product, the
+ * residual add and the next RMSNorm (the final norm after the last layer) — the calls the Python
+ * loop makes, in its order, on buffers of the shapes it allocates, so the same values bit for bit,
+ * without ~70 µs of Python and ctypes a layer between them. h [B, hidden] is updated in place, x
+ * [B, hidden] ends as the final norm's output; qkv, att, o, gu, act, down are work buffers of
+ * [B, (H + 2·KV)·D], [B, H·D], [B, hidden], [B, 2·I], [B, I], [B, hidden]. layers:
+ * DECODE_LAYER_FIELDS int64 a layer: the packed q/k/v, o, gate/up and down weights
+ * (keel_pack_pairs), the two norms' weights, the key and value buffers, the prefix's keys and
+ * values as the attention kernel reads them (0 without a prefix), and each product's input block
+ * for one row, then for more (keel.decode._Pairs.blocks). The mask is int64 [B, P + col + 1] rows
+ * of mask_row; scratch of keel_attention_scratch(B, H, KV, D, P, col + 1, kernel) floats. */
+#define DECODE_LAYER_FIELDS 18
+int keel_decode_layer_fields(void) { return DECODE_LAYER_FIELDS; }
+
+void keel_decode_layers(const int64_t *layers, int n_layers, uint16_t *h, uint16_t *x, uint16_t *qkv, uint16_t *att, uint16_t *o,
+                        uint16_t *gu, uint16_t *act, uint16_t *down, const uint16_t *final_norm, const uint16_t *cos,
+                        const uint16_t *sin, const int64_t *mask, long mask_row, float *scratch, long kv_row, long kv_head, long col,
+                        int P, int kernel, int B, int hidden, int H, int KV, int D, int I, float eps, float scale) {
+    const int row = (H + 2 * KV) * D, more = B > 1, L = (int)col + 1;
+    keel_add_rms_norm(h, NULL, (const void *)layers[4], x, B, hidden, eps, 1);
+    for (int i = 0; i < n_layers; i++) {
+        const int64_t *f = layers + (long)i * DECODE_LAYER_FIELDS;
+        const uint32_t *wqkv = (const uint32_t *)f[0], *wo = (const uint32_t *)f[1], *wgu = (const uint32_t *)f[2],
+                       *wdown = (const uint32_t *)f[3];
+        void *kbuf = (void *)f[6], *vbuf = (void *)f[7];
+        const uint16_t *pk = (const uint16_t *)f[8], *pv = (const uint16_t *)f[9];
+        const void *next = i + 1 < n_layers ? (const void *)layers[(long)(i + 1) * DECODE_LAYER_FIELDS + 4] : (const void *)final_norm;
+        keel_linear_pairs(x, wqkv, qkv, B, row, hidden, (int)f[10 + more]);
+        keel_rotary(qkv, row, D, 0, 1, cos, sin, 1, D, qkv, row, D, 0, 1, 0, B, H + KV, 1, D);
+        keel_append_kv(qkv, row, kbuf, vbuf, kv_row, kv_head, col, B, H, KV, D, 1);
+        if (kernel == 2)
+            keel_decode_attention_dpbf16(qkv, row, pk, pv, P, kbuf, vbuf, kv_row, kv_head, L, mask + P, mask_row, att, scratch, B, H, KV,
+                                         D, scale);
+        else if (kernel == 1)
+            keel_decode_attention_amx(qkv, row, pk, pv, P, kbuf, vbuf, kv_row, kv_head, L, mask + P, mask_row, att, scratch, B, H, KV, D,
+                                      scale);
+        else
+            keel_decode_attention(qkv, row, (const float *)pk, (const float *)pv, P, (int)round_up(P, 16), kbuf, vbuf, kv_row, kv_head, L,
+                                  mask + P, mask_row, att, scratch, B, H, KV, D, scale, 1);
+        keel_linear_pairs(att, wo, o, B, hidden, H * D, (int)f[12 + more]);
+        keel_add_rms_norm(h, o, (const void *)f[5], x, B, hidden, eps, 1);
+        keel_linear_pairs(x, wgu, gu, B, 2 * I, hidden, (int)f[14 + more]);
+        keel_silu_mul(gu, act, B, I, 1);
+        keel_linear_pairs(act, wdown, down, B, hidden, I, (int)f[16 + more]);
+        keel_add_rms_norm(h, down, next, x, B, hidden, eps, 1);
+    }
+}

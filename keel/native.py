@@ -15,7 +15,8 @@ bf16 training attention of keel.logprobs' forwards and backwards under autocast
 decode step's rotary (keel_rotary) serves the training forwards too, forward and backward:
 transformers' four ops in one pass with their roundings, bit for bit. With AVX512-BF16 the
 decode step's bf16 linear layers are keel_linear_pairs: oneDNN's sums in oneDNN's order, the
-weights read as one stream a tile (keel.decode._Pairs).
+weights read as one stream a tile (keel.decode._Pairs), and a step's decoder layers can run in one
+call (keel_decode_layers: the same kernels in the same order, without Python between them).
 
 No maintained library ships these fused CPU ops for this torch (intel-extension-for-pytorch,
 which did, stopped at torch 2.8), so Keel compiles its own with the system's C compiler, once per
@@ -66,6 +67,8 @@ SIGNATURES = {  # name: (argument types, result type)
     "keel_train_attention_backward": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F], None),
     "keel_pack_pairs": ([_P, _P, _I, _I], None),
     "keel_linear_pairs": ([_P, _P, _P, _I, _I, _I, _I], None),
+    "keel_decode_layer_fields": ([], _I),
+    "keel_decode_layers": ([_P, _I] + [_P] * 12 + [_L, _P, _L, _L, _L, _I, _I, _I, _I, _I, _I, _I, _I, _F, _F], None),
 }
 
 

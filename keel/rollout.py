@@ -140,14 +140,21 @@ def _growing_layer_class():
             the `new` columns n..n+new of the buffers itself (keel.decode's native step). keys
             and values now cover n + new columns. None where the buffers are not this layer's
             keys and values (not yet made, or replaced) or are full: call `update` instead."""
+            got = self.free_columns(new)
+            if got is not None:
+                n = got[2]
+                self.keys = got[0][:, :, : n + new]
+                self.values = got[1][:, :, : n + new]
+            return got
+
+        def free_columns(self, new: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+            """What `columns(new)` would return, the columns not taken (keys and values unchanged)."""
             buf, keys = self._kbuf, self.keys
             if buf is None or keys.data_ptr() != buf.data_ptr() or keys.shape[:2] != buf.shape[:2]:
                 return None
             n = keys.shape[-2]
             if n + new > buf.shape[-2]:
                 return None
-            self.keys = buf[:, :, : n + new]
-            self.values = self._vbuf[:, :, : n + new]
             return buf, self._vbuf, n
 
         def get_seq_length(self) -> int:

@@ -264,6 +264,7 @@ def test_the_in_place_append_gives_the_steps_of_the_cache_update(tiny, dtype, mo
     cache's buffers (`rotary_attend`, `_GrowingLayer.columns`); with `columns` refused, the same
     kernels go through `layer.update`. 300 steps (past the buffers' first capacity of 256, where
     the in-place path hands over to `update` to grow them): bit-equal logits and caches."""
+    monkeypatch.setenv("KEEL_FUSED_STEP", "0")  # the per-layer loop, whose appends this compares (the fused one: below)
     model = _gqa_model(dtype)
     real_columns = engine._growing_layer_class().columns
     used = {"in place": 0, "update": 0}
@@ -281,6 +282,38 @@ def test_the_in_place_append_gives_the_steps_of_the_cache_update(tiny, dtype, mo
     assert used == {"in place": 2 * 300 - 2, "update": 2}  # two layers, each grown once (by update)
     assert torch.equal(runs["in place"][0], runs["update"][0])
     for (k1, v1), (k2, v2) in zip(runs["in place"][1], runs["update"][1]):
+        assert k1.shape == k2.shape and k1.shape[-2] > 300
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@needs_lib
+def test_the_fused_layer_loop_gives_the_per_layer_loops_bits(tiny, monkeypatch):
+    """keel_decode_layers runs a bf16 step's layers in one C call: 300 greedy steps (the buffers
+    regrow once, where the step goes through the per-layer loop and `update`) give logits and
+    caches bit-equal to the per-layer loop's (KEEL_FUSED_STEP=0), and the fused call ran on every
+    other step."""
+    model = _gqa_model(torch.bfloat16)
+    probe = decode.LeanDecoder.build(model)
+    if probe.fused is None:
+        pytest.skip("no fused step here (keel_linear_pairs does not serve: no AVX512-BF16 kernels, or oneDNN sums in other blocks)")
+    calls = {"fused": 0, "returned": 0}
+    real_call = decode._FusedLayers.__call__
+
+    def counted(self, *args):
+        calls["fused"] += 1
+        out = real_call(self, *args)
+        calls["returned"] += out is not None
+        return out
+
+    monkeypatch.setattr(decode._FusedLayers, "__call__", counted)
+    runs = {}
+    for name in ("fused", "per layer"):
+        monkeypatch.setenv("KEEL_FUSED_STEP", "1" if name == "fused" else "0")
+        logits, cache = _decode_steps(model, tiny[1], 300, lambda step: step.argmax(-1, keepdim=True))
+        runs[name] = (logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+    assert calls == {"fused": 300, "returned": 299}  # the step that regrows the buffers falls back
+    assert torch.equal(runs["fused"][0], runs["per layer"][0])
+    for (k1, v1), (k2, v2) in zip(runs["fused"][1], runs["per layer"][1]):
         assert k1.shape == k2.shape and k1.shape[-2] > 300
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
