@@ -9,10 +9,18 @@ against a frozen reference (both load one), lr 1e-6 AdamW, one optimizer step pe
 batch, fp32.
 
 Where the two cannot be made identical (read before quoting the ratio):
-- Token budget. Keel: ≤ `--new-tokens` per assistant turn. TRL: `max_completion_length` =
-  `--new-tokens` for the whole multi-turn completion (tool results included), and
-  `max_tool_calling_iterations` = turns - 1. With the untrained model almost every episode is
-  one turn, where the two budgets coincide; the generated token counts are printed.
+- Token budget. Both sides: ≤ `--new-tokens` generated per assistant turn (TRL: its generation's
+  `max_new_tokens` through `generation_kwargs`), ≤ `--turns` assistant turns (TRL:
+  `max_tool_calling_iterations` = turns - 1), and a whole-sequence budget that does not bind
+  (Keel: `max_total_tokens` = MAX_TOTAL_TOKENS positions, prompt included; TRL:
+  `max_completion_length` = MAX_TOTAL_TOKENS, tool results included). Until the fortieth
+  session TRL's `max_completion_length` was `--new-tokens` for the whole multi-turn completion:
+  with an SFT checkpoint that calls tools, 38-50% of TRL's completions were cut there (1.1-1.5
+  tool calls each against Keel's 2.4-2.8), so TRL's step did about half of Keel's episode
+  tokens. `--trl-completion-budget N` gives that budget back. Printed per side so equal work is
+  visible: prompt, generated and tool-response tokens per episode, and the episodes cut by a
+  budget (Keel: turns that reached `--new-tokens`; TRL: `completions/clipped_ratio`, completions
+  that end without EOS).
 - Prompt. TRL renders with Qwen2.5's chat template (`trl.chat_template_utils`, needed for its
   tool-call parser); Keel renders the same Hermes layout itself. Same system text and question.
 - Loss. Keel: token-mean clipped surrogate + k3 KL. TRL 1.16 default `loss_type="dapo"` (also
@@ -58,6 +66,9 @@ import time
 from pathlib import Path
 
 
+MAX_TOTAL_TOKENS = 4096  # the whole-sequence budget of both sides, which an episode of ≤ 3 turns of ≤ 128 tokens does not reach
+
+
 def kg_tasks(n: int):
     from keel.kg.env import KGEnv
     from keel.kg.synth import generate_splits
@@ -101,7 +112,8 @@ def keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed: int) -> tup
     groups = [k for k in range(len(tasks)) for _ in range(args.group)]
     cfg.model.autocast = args.bf16
     t0 = time.perf_counter()
-    trajs = rollout(sampler, tok, env, rows, SamplingParams(temperature=1.0, max_turns=args.turns, max_new_tokens=args.new_tokens, max_total_tokens=4096),
+    trajs = rollout(sampler, tok, env, rows, SamplingParams(temperature=1.0, max_turns=args.turns, max_new_tokens=args.new_tokens,
+                                                                  max_total_tokens=MAX_TOTAL_TOKENS),
                     generator=torch.Generator().manual_seed(seed), groups=groups)
     rewards = torch.tensor([exact_match(tr.answer, task.answers + task.aliases) for tr, task in zip(trajs, rows)])
     adv = group_advantages(rewards, torch.tensor(groups))
@@ -118,7 +130,9 @@ def keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed: int) -> tup
 
     return {"step_s": t2 - t0, "rollout_s": t1 - t0, "update_s": t2 - t1, "generated_tokens": sum(tr.num_policy_tokens for tr in trajs),
             "tool_tokens": sum(1 for tr in trajs for s in tr.sources if s == Source.TOOL),
-            "tool_calls": sum(len(tr.steps) for tr in trajs), "turns": sum(len(tr.turn_spans) for tr in trajs)}, (trajs, adv, cfg)
+            "tool_calls": sum(len(tr.steps) for tr in trajs), "turns": sum(len(tr.turn_spans) for tr in trajs),
+            "prompt_tokens": sum(tr.prompt_len for tr in trajs),
+            "turns_at_budget": sum(1 for tr in trajs for a, b in tr.turn_spans if b - a >= args.new_tokens)}, (trajs, adv, cfg)
 
 
 def update_floor(model, ref, opt, tok, batch, args) -> dict:
@@ -244,7 +258,9 @@ def trl_child(args) -> dict:
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(output_dir=out, use_cpu=True, bf16=args.bf16, fp16=False, report_to="none", save_strategy="no", logging_steps=1,
                             max_steps=1 + args.reps, per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=args.group,
-                            max_completion_length=args.new_tokens, max_tool_calling_iterations=args.turns - 1, temperature=1.0, top_k=0,
+                            max_completion_length=args.trl_completion_budget or MAX_TOTAL_TOKENS,
+                            generation_kwargs={"max_new_tokens": args.new_tokens},  # per turn, as Keel's
+                            max_tool_calling_iterations=args.turns - 1, temperature=1.0, top_k=0,
                             top_p=1.0, beta=1e-4, learning_rate=1e-6, shuffle_dataset=False, seed=0, disable_dropout=True)
         timer = StepTimer()
         trainer = GRPOTrainer(model=model, reward_funcs=em_reward, args=config, train_dataset=dataset, processing_class=tok,
@@ -260,6 +276,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--trl-completion-budget", type=int, default=0,
+                    help="TRL's max_completion_length (the whole multi-turn completion, tool results included); 0: MAX_TOTAL_TOKENS, "
+                         "which does not bind. The bench before the fortieth session gave TRL --new-tokens here")
     ap.add_argument("--reps", type=int, default=1, help="timed steps per side after one warm-up step")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2", help="both sides start from this model: 'smollm2' or a local checkpoint directory (e.g. an SFT run's checkpoints/reference)")
@@ -299,7 +318,7 @@ def main() -> None:
     keel_runs = [stats]
     print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in keel_runs[-1].items()})}", flush=True)
     cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
-           "--turns", str(args.turns), "--reps", str(args.reps), "--threads", str(args.threads), "--model", args.model] + (["--bf16"] if args.bf16 else [])
+           "--turns", str(args.turns), "--trl-completion-budget", str(args.trl_completion_budget), "--reps", str(args.reps), "--threads", str(args.threads), "--model", args.model] + (["--bf16"] if args.bf16 else [])
     child_env = dict(os.environ)  # (`env` is the KG environment)
     if not args.return_freed_memory:  # TRL's process keeps its freed memory too
         from keel.memory import kept_memory_environment
@@ -325,6 +344,18 @@ def main() -> None:
           f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s; per timed step {per_step('generated_tokens')} generated tokens, "
           f"{per_step('tool_tokens')} tool-response tokens, {per_step('tool_calls')} tool calls)")
     print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first = warm-up)")
+    n = args.prompts * args.group
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    print(f"per episode, keel (timed steps): prompt {mean([r['prompt_tokens'] for r in keel_runs]) / n:.0f}, generated "
+          f"{mean([r['generated_tokens'] for r in keel_runs]) / n:.1f}, tool calls {mean([r['tool_calls'] for r in keel_runs]) / n:.2f}; "
+          f"turns that reached the {args.new_tokens}-token budget {per_step('turns_at_budget')} of {per_step('turns')}")
+    logs = [h for h in trl["log"] if "completions/mean_length" in h and "num_tokens" in h]
+    if logs:  # num_tokens: TRL's running count of prompt + generated tokens (tool results not counted)
+        seen = [h["num_tokens"] for h in logs]
+        prompts = [(b - a) / n - h["completions/mean_length"] for a, b, h in zip([0.0] + seen[:-1], seen, logs)]
+        print(f"per episode, trl (every step): prompt {mean(prompts):.0f}, generated {mean([h['completions/mean_length'] for h in logs]):.1f}, "
+              f"tool calls {mean([h.get('tools/call_frequency', 0.0) for h in logs]):.2f}; completions cut by its budget "
+              f"(clipped_ratio) {mean([h['completions/clipped_ratio'] for h in logs]):.2f}")
     floor = update_floor(model, ref, opt, tok, batch, args)
     update_t = statistics.median(r["update_s"] for r in keel_runs)
     kind = "bf16" if args.bf16 else "fp32"
