@@ -22,7 +22,11 @@ Where the two cannot be made identical (read before quoting the ratio):
   budget (Keel: turns that reached `--new-tokens`; TRL: `completions/clipped_ratio`, completions
   that end without EOS).
 - Prompt. TRL renders with Qwen2.5's chat template (`trl.chat_template_utils`, needed for its
-  tool-call parser); Keel renders the same Hermes layout itself. Same system text and question.
+  tool-call parser); Keel renders the same Hermes layout itself. Same system text and question;
+  the tools' schemas are Keel's (the same descriptions, no return type) but for a description of
+  each argument, which transformers' `get_json_schema` requires (until the fortieth session TRL's
+  docstrings also gave return types and longer texts: 802 prompt tokens an episode against
+  Keel's 636).
 - Loss. Keel: token-mean clipped surrogate + k3 KL. TRL 1.16 default `loss_type="dapo"` (also
   token-level normalisation) with `beta` = 1e-4.
 Memory: both sides keep the memory they free for reuse, as the main job does
@@ -187,49 +191,39 @@ def trl_child(args) -> dict:
         def _call(self, name: str, arguments: dict) -> str:
             return self.episode.execute(ToolCall(name=name, arguments=arguments)).text
 
-        def get_tail_relations(self, entity: str) -> str:
-            """Relations r of triples (entity, r, ?).
+        # Docstrings that transformers' get_json_schema turns into Keel's own schemas (keel.kg.env's
+        # descriptions, no return type), but for a description of each argument, which it requires
+        def get_tail_relations(self, entity: str):
+            """Relations r of triples (entity, r, ?)
 
             Args:
-                entity: an entity id such as m.0abc12
-
-            Returns:
-                A JSON list of relation names.
+                entity: an entity id
             """
             return self._call("get_tail_relations", {"entity": entity})
 
-        def get_head_relations(self, entity: str) -> str:
-            """Relations r of triples (?, r, entity).
+        def get_head_relations(self, entity: str):
+            """Relations r of triples (?, r, entity)
 
             Args:
-                entity: an entity id such as m.0abc12
-
-            Returns:
-                A JSON list of relation names.
+                entity: an entity id
             """
             return self._call("get_head_relations", {"entity": entity})
 
-        def get_tail_entities(self, entity: str, relation: str) -> str:
-            """Tails t of triples (entity, relation, t).
+        def get_tail_entities(self, entity: str, relation: str):
+            """Tails t of triples (entity, relation, t)
 
             Args:
-                entity: an entity id such as m.0abc12
+                entity: an entity id
                 relation: a relation name
-
-            Returns:
-                A JSON list of entities.
             """
             return self._call("get_tail_entities", {"entity": entity, "relation": relation})
 
-        def get_head_entities(self, entity: str, relation: str) -> str:
-            """Heads h of triples (h, relation, entity).
+        def get_head_entities(self, entity: str, relation: str):
+            """Heads h of triples (h, relation, entity)
 
             Args:
-                entity: an entity id such as m.0abc12
+                entity: an entity id
                 relation: a relation name
-
-            Returns:
-                A JSON list of entities.
             """
             return self._call("get_head_entities", {"entity": entity, "relation": relation})
 
