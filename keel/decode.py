@@ -16,7 +16,7 @@ where four do the same work. `LeanDecoder.step` computes the same function with
   the cache's buffers, `_GrowingLayer.columns`);
 - in bf16 where every product is `_Pairs` and the kernels serve the model, the whole layer loop
   of a step in one C call (`_FusedLayers`, keel_decode_layers: the same kernels in the same
-  order, so the same bits, without ~70 µs of Python and ctypes a layer between them);
+  order, so the same bits, without ~55 µs of Python and ctypes a layer between them);
 - everything between the GEMMs in one of two implementations with the same interface:
   `_NativeOps`, where keel.native could build its C kernels (keel/decode_ops.c) and the model's
   shapes fit them: the residual add with the next RMSNorm, rotary on q and k, SwiGLU and the whole
@@ -420,8 +420,8 @@ class _FusedLayers:
     """A decode step's decoder layers in one call of keel_decode_layers (keel/decode_ops.c): the
     calls `LeanDecoder._layers` makes through `_NativeOps.rotary_attend`, made by C in the same
     order on buffers of the same shapes, so logits and cache are the same bit for bit
-    (tests/test_native.py); at 8–16 rows the Python and ctypes between the kernels were ~2 ms of a
-    ~14–22 ms bf16 step. For a bf16 decoder on `_NativeOps` whose every layer product is `_Pairs`
+    (tests/test_native.py); at 8 rows the Python and ctypes between the kernels were 1.5–1.7 ms of
+    a ~14 ms bf16 step (LOG.md, fortieth session). For a bf16 decoder on `_NativeOps` whose every layer product is `_Pairs`
     (AVX512-BF16; `build` gives None otherwise, and KEEL_FUSED_STEP=0 in the environment turns it
     off). The table holds each layer's weights, norms and input blocks; its cache buffers and
     prefix layout are filled in every step."""
@@ -447,8 +447,8 @@ class _FusedLayers:
         ops = decoder.ops
         if (os.environ.get("KEEL_FUSED_STEP", "1") == "0" or not isinstance(ops, _NativeOps) or not ops.bf16
                 or not all(isinstance(p, _Pairs) for w in decoder.layers for p in (w.wqkv, w.wo, w.wgu, w.wdown))
-                or not all(w.ln1.dtype == torch.bfloat16 and w.ln1.is_contiguous() and w.ln2.is_contiguous() for w in decoder.layers)
-                or not decoder.norm.is_contiguous()):
+                or not all(t.dtype == torch.bfloat16 and t.is_contiguous() for w in decoder.layers for t in (w.ln1, w.ln2))
+                or decoder.norm.dtype != torch.bfloat16 or not decoder.norm.is_contiguous()):
             return None
         return _FusedLayers(ops.lib, decoder)
 
