@@ -16,9 +16,9 @@ Where the two cannot be made identical (read before quoting the ratio):
   `max_completion_length` = MAX_TOTAL_TOKENS, tool results included). Until the fortieth
   session TRL's `max_completion_length` was `--new-tokens` for the whole multi-turn completion:
   with an SFT checkpoint that calls tools, 38-50% of TRL's completions were cut there (1.1-1.5
-  tool calls each against Keel's 2.4-2.8), so TRL's step did about half of Keel's episode
+  tool calls each against Keel's 2.3-2.8), so TRL's step did about half of Keel's episode
   tokens. `--trl-completion-budget N` gives that budget back. Printed per side so equal work is
-  visible: prompt, generated and tool-response tokens per episode, and the episodes cut by a
+  visible: prompt and generated tokens and tool calls per episode, and the episodes cut by a
   budget (Keel: turns that reached `--new-tokens`; TRL: `completions/clipped_ratio`, completions
   that end without EOS).
 - Prompt. TRL renders with Qwen2.5's chat template (`trl.chat_template_utils`, needed for its
@@ -70,7 +70,7 @@ import time
 from pathlib import Path
 
 
-MAX_TOTAL_TOKENS = 4096  # the whole-sequence budget of both sides, which an episode of ≤ 3 turns of ≤ 128 tokens does not reach
+MAX_TOTAL_TOKENS = 4096  # both sides' whole-sequence budget: the bench's episodes (~640-token prompts, ≤ 3 turns of ≤ 128 tokens, tool results) stay far below
 
 
 def kg_tasks(n: int):
