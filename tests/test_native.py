@@ -219,13 +219,20 @@ def test_rollouts_on_the_kernels_match_rollouts_on_torch_ops(tiny, monkeypatch):
 PROMPTS = ("You can call tools. " * 8 + "Who?", "You can call tools. " * 8 + "Where was it born?", "You can call tools. " * 8 + "Why not")
 
 
-def _decode_steps(model, tok, steps: int, next_tokens, torch_ops: bool = False):
+PROMPTS_APART = ("Who?", "Where was it born? " * 3, "Why not " * 5)  # no shared prefix: left-padded, no cascade
+
+
+def _decode_steps(model, tok, steps: int, next_tokens, torch_ops: bool = False, shared: bool = True):
     """(logits [steps, 3, V], the cache) of `steps` decode steps after prefilling PROMPTS (a shared
-    prefix, ragged questions); `next_tokens(logits [3, V])` gives each step's input ids [3, 1]."""
-    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    prefix, ragged questions), or PROMPTS_APART one by one into a left-padded cache without a
+    prefix (`shared` False); `next_tokens(logits [3, V])` gives each step's input ids [3, 1]."""
+    prompts = [tok.encode(p, add_special_tokens=False) for p in (PROMPTS if shared else PROMPTS_APART)]
     with torch.no_grad(), engine._cascade_attention(model, True):
-        first, cache, attn = engine._prefill(model, prompts, torch.device("cpu"))
-        assert cache.layers[0].prefix is not None  # the shared-prefix path of the attention
+        if shared:
+            first, cache, attn = engine._prefill(model, prompts, torch.device("cpu"))
+        else:
+            first, cache, attn = engine._prefill_each(model, prompts, torch.device("cpu"))
+        assert (cache.layers[0].prefix is not None) == shared  # the attention's shared-prefix path, or not
         decoder = decode.LeanDecoder.build(model)
         assert isinstance(decoder.ops, decode._NativeOps)
         if torch_ops:
@@ -287,11 +294,13 @@ def test_the_in_place_append_gives_the_steps_of_the_cache_update(tiny, dtype, mo
 
 
 @needs_lib
-def test_the_fused_layer_loop_gives_the_per_layer_loops_bits(tiny, monkeypatch):
+@pytest.mark.parametrize("shared", [True, False], ids=["shared prefix", "no prefix"])
+def test_the_fused_layer_loop_gives_the_per_layer_loops_bits(tiny, monkeypatch, shared):
     """keel_decode_layers runs a bf16 step's layers in one C call: 300 greedy steps (the buffers
     regrow once, where the step goes through the per-layer loop and `update`) give logits and
     caches bit-equal to the per-layer loop's (KEEL_FUSED_STEP=0), and the fused call ran on every
-    other step."""
+    other step — with a shared prefix (the prefix's attention kernel) and without one (a
+    left-padded cache: the plain kernel)."""
     model = _gqa_model(torch.bfloat16)
     probe = decode.LeanDecoder.build(model)
     if probe.fused is None:
@@ -309,7 +318,7 @@ def test_the_fused_layer_loop_gives_the_per_layer_loops_bits(tiny, monkeypatch):
     runs = {}
     for name in ("fused", "per layer"):
         monkeypatch.setenv("KEEL_FUSED_STEP", "1" if name == "fused" else "0")
-        logits, cache = _decode_steps(model, tiny[1], 300, lambda step: step.argmax(-1, keepdim=True))
+        logits, cache = _decode_steps(model, tiny[1], 300, lambda step: step.argmax(-1, keepdim=True), shared=shared)
         runs[name] = (logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
     assert calls == {"fused": 300, "returned": 299}  # the step that regrows the buffers falls back
     assert torch.equal(runs["fused"][0], runs["per layer"][0])
