@@ -428,9 +428,9 @@ class _FusedLayers:
 
     COLUMNS = 6  # the table's first per-step column: key buffer, value buffer, prefix keys, prefix values
 
-    def __init__(self, lib, decoder: "LeanDecoder"):
-        self.lib = lib
-        fields = lib.keel_decode_layer_fields()
+    def __init__(self, decoder: "LeanDecoder"):
+        self.ops = decoder.ops  # the ops it was made for (a caller may swap the decoder's); ops.lib runs it
+        fields = self.ops.lib.keel_decode_layer_fields()
         rows = []
         for w in decoder.layers:
             products = (w.wqkv, w.wo, w.wgu, w.wdown)
@@ -439,8 +439,6 @@ class _FusedLayers:
         self.table = torch.tensor(rows, dtype=torch.int64)
         if self.table.shape[1] != fields:
             raise RuntimeError(f"keel.decode: keel_decode_layers reads {fields} fields a layer, the table has {self.table.shape[1]}")
-        self.ops = decoder.ops  # the ops it was made for (a caller may swap the decoder's)
-        self.keep = decoder.layers  # the table points into their weights
 
     @staticmethod
     def build(decoder: "LeanDecoder") -> "_FusedLayers | None":
@@ -450,7 +448,7 @@ class _FusedLayers:
                 or not all(t.dtype == torch.bfloat16 and t.is_contiguous() for w in decoder.layers for t in (w.ln1, w.ln2))
                 or decoder.norm.dtype != torch.bfloat16 or not decoder.norm.is_contiguous()):
             return None
-        return _FusedLayers(ops.lib, decoder)
+        return _FusedLayers(decoder)
 
     def __call__(self, d: "LeanDecoder", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prepared, cache) -> torch.Tensor | None:
         """The final norm's output [B, hidden] after every layer (h updated in place, each layer's
@@ -476,8 +474,8 @@ class _FusedLayers:
         ops = d.ops
         laid = [ops._prefix(i, layer) for i, layer in enumerate(layers)] if P else [(None, None)] * len(layers)
         kernel = ops.KERNELS.index(ops.kernel) if P else 0
-        for layer in layers:
-            if layer.columns(1) is None:
+        for layer, f in zip(layers, free):
+            if layer.columns(1, f) is None:
                 raise RuntimeError("keel.decode: a cache layer refused the columns its free_columns offered")
         c = self.COLUMNS
         self.table[:, c : c + 4] = torch.tensor([[f[0].data_ptr(), f[1].data_ptr(), k.data_ptr() if k is not None else 0,
@@ -486,7 +484,7 @@ class _FusedLayers:
         H, KV, D, I = d.heads, d.kv_heads, d.head_dim, d.intermediate
         x, o, down = h.new_empty(B, hidden), h.new_empty(B, hidden), h.new_empty(B, hidden)
         qkv, att, gu, act = h.new_empty(B, (H + 2 * KV) * D), h.new_empty(B, H * D), h.new_empty(B, 2 * I), h.new_empty(B, I)
-        self.lib.keel_decode_layers(self.table.data_ptr(), len(layers), h.data_ptr(), x.data_ptr(), qkv.data_ptr(), att.data_ptr(),
+        ops.lib.keel_decode_layers(self.table.data_ptr(), len(layers), h.data_ptr(), x.data_ptr(), qkv.data_ptr(), att.data_ptr(),
                                     o.data_ptr(), gu.data_ptr(), act.data_ptr(), down.data_ptr(), d.norm.data_ptr(), cos.data_ptr(),
                                     sin.data_ptr(), mask.data_ptr(), mask.stride(0), scratch.data_ptr(), kbuf.stride(0), kbuf.stride(1),
                                     n, P, kernel, B, hidden, H, KV, D, I, ops.eps, d.scale)

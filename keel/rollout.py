@@ -135,12 +135,13 @@ def _growing_layer_class():
         _kbuf: torch.Tensor | None = None  # key and value buffers [B, kv, capacity, D]; keys/values: their first columns
         _vbuf: torch.Tensor | None = None
 
-        def columns(self, new: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        def columns(self, new: int, free: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
             """(key buffer, value buffer, n): `update` without the copy, for a caller that writes
             the `new` columns n..n+new of the buffers itself (keel.decode's native step). keys
             and values now cover n + new columns. None where the buffers are not this layer's
-            keys and values (not yet made, or replaced) or are full: call `update` instead."""
-            got = self.free_columns(new)
+            keys and values (not yet made, or replaced) or are full: call `update` instead.
+            `free`: what `free_columns(new)` just returned for this layer, not asked again."""
+            got = self.free_columns(new) if free is None else free
             if got is not None:
                 n = got[2]
                 self.keys = got[0][:, :, : n + new]

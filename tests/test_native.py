@@ -264,6 +264,20 @@ def test_decode_steps_on_the_kernels_match_torch_ops(tiny, dtype):
     torch.testing.assert_close(logits["kernels"], logits["torch"], atol=2e-6 if dtype == torch.float32 else 0.03, rtol=0)
 
 
+def _greedy_run(model, tok, shared: bool = True):
+    """300 greedy decode steps (`_decode_steps`): (logits, each layer's keys and values)."""
+    logits, cache = _decode_steps(model, tok, 300, lambda step: step.argmax(-1, keepdim=True), shared=shared)
+    return logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+
+
+def _assert_same_run(a, b):
+    """Two `_greedy_run`s: bit-equal logits and caches, each cache past its first capacity."""
+    assert torch.equal(a[0], b[0])
+    for (k1, v1), (k2, v2) in zip(a[1], b[1]):
+        assert k1.shape == k2.shape and k1.shape[-2] > 300
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
 @needs_lib
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_in_place_append_gives_the_steps_of_the_cache_update(tiny, dtype, monkeypatch):
@@ -276,21 +290,17 @@ def test_the_in_place_append_gives_the_steps_of_the_cache_update(tiny, dtype, mo
     real_columns = engine._growing_layer_class().columns
     used = {"in place": 0, "update": 0}
 
-    def counted(layer, new):
-        got = real_columns(layer, new)
+    def counted(layer, new, free=None):
+        got = real_columns(layer, new, free)
         used["in place" if got is not None else "update"] += 1
         return got
 
     runs = {}
     for name in ("in place", "update"):
-        monkeypatch.setattr(engine._growing_layer_class(), "columns", counted if name == "in place" else lambda layer, new: None)
-        logits, cache = _decode_steps(model, tiny[1], 300, lambda step: step.argmax(-1, keepdim=True))
-        runs[name] = (logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+        monkeypatch.setattr(engine._growing_layer_class(), "columns", counted if name == "in place" else lambda layer, new, free=None: None)
+        runs[name] = _greedy_run(model, tiny[1])
     assert used == {"in place": 2 * 300 - 2, "update": 2}  # two layers, each grown once (by update)
-    assert torch.equal(runs["in place"][0], runs["update"][0])
-    for (k1, v1), (k2, v2) in zip(runs["in place"][1], runs["update"][1]):
-        assert k1.shape == k2.shape and k1.shape[-2] > 300
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    _assert_same_run(runs["in place"], runs["update"])
 
 
 @needs_lib
@@ -318,13 +328,9 @@ def test_the_fused_layer_loop_gives_the_per_layer_loops_bits(tiny, monkeypatch, 
     runs = {}
     for name in ("fused", "per layer"):
         monkeypatch.setenv("KEEL_FUSED_STEP", "1" if name == "fused" else "0")
-        logits, cache = _decode_steps(model, tiny[1], 300, lambda step: step.argmax(-1, keepdim=True), shared=shared)
-        runs[name] = (logits, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers])
+        runs[name] = _greedy_run(model, tiny[1], shared)
     assert calls == {"fused": 300, "returned": 299}  # the step that regrows the buffers falls back
-    assert torch.equal(runs["fused"][0], runs["per layer"][0])
-    for (k1, v1), (k2, v2) in zip(runs["fused"][1], runs["per layer"][1]):
-        assert k1.shape == k2.shape and k1.shape[-2] > 300
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    _assert_same_run(runs["fused"], runs["per layer"])
 
 
 def test_no_compiler_or_a_failed_build_falls_back_to_torch_ops(tmp_path, monkeypatch, caplog):
