@@ -367,6 +367,19 @@ def micro_batches(sequences: list[list[int]], max_rows: int, max_tokens: int = 0
     return parts[::-1]
 
 
+def encoded_positions(sequences: list[list[int]]) -> int:
+    """The token positions one forward of these rows encodes, as `micro_batches` counts a
+    micro-batch: the rows' common prefix once (where it reaches MIN_SHARED_PREFIX), then every
+    row right-padded to the longest remainder; a single row, its length.
+    Worked example: rows of 40 shared + 7 and 40 shared + 12 tokens → 40 + 2 × 12 = 64."""
+    longest = max(len(q) for q in sequences)
+    if len(sequences) == 1:
+        return longest
+    lcp = common_prefix_len(sequences)
+    shared = lcp if lcp >= MIN_SHARED_PREFIX else 0
+    return shared + len(sequences) * (longest - shared)
+
+
 def common_prefix_len(sequences: list[list[int]]) -> int:
     """Tokens every sequence starts with, at most the shortest length − 1 (0 for < 2 sequences)."""
     if len(sequences) < 2:
@@ -393,17 +406,25 @@ class SharedPrefix:
     the last segment back (each segment attends to the stored keys and values before it as
     leaves, whose gradients join the earlier segments'), so only one segment's graph is alive
     at a time. The weight gradients are the sum of what each micro-batch's own prefix would
-    have given (tests/test_logprobs.py). Not used with gradient checkpointing (HF drops the
-    cache inside checkpointed layers).
+    have given (tests/test_logprobs.py). `keep_graph`: the first encoding is made with gradients
+    and its graph held until `backward()`, which then only back-propagates it — one forward of
+    the prefix less, and one backward pass over all its positions instead of one per segment
+    (`update_prefix` asks for it where the token cap allows it). Not used with gradient
+    checkpointing (HF drops the cache inside checkpointed layers).
     """
 
-    def __init__(self, model, ids: list[int], segment: int = 0):
+    def __init__(self, model, ids: list[int], segment: int = 0, keep_graph: bool = False):
         self.segment = segment or PREFIX_SEGMENT
         self._body = getattr(model, model.base_model_prefix)
         device = next(model.parameters()).device
         self.ids = torch.tensor(ids, device=device)
         self._autocast = (device.type, torch.get_autocast_dtype(device.type), torch.is_autocast_enabled(device.type))
         trains = torch.is_grad_enabled() and any(p.requires_grad for p in self._body.parameters())
+        self._sources: list[torch.Tensor] = []  # the encoding with its graph, where it is kept (keep_graph)
+        if trains and keep_graph:
+            self._sources = self._encode()
+            self._leaves = [t.detach().requires_grad_() for t in self._sources]
+            return
         with torch.no_grad():  # nothing of the prefix's graph is kept: `backward` encodes it again
             self._leaves = [t.requires_grad_(trains) for t in self._encode()]
 
@@ -442,16 +463,22 @@ class SharedPrefix:
 
     def backward(self) -> None:
         """Back-propagate the gradients the micro-batches left on the leaves through the prefix:
-        the prefix is encoded again, with gradients and in the precision it was first encoded
-        in (the same values), and its graph is freed at once. Holding the first encoding's graph
+        through the kept graph (keep_graph), else the prefix is encoded again, with gradients and
+        in the precision it was first encoded in (the same values), and its graph is freed at once. Holding the first encoding's graph
         over the whole update instead cost ~1.1 MB per prefix position (~650 MB for the KG
         task's system block); encoding it twice costs one forward of the prefix, and encoding it
         in segments (the class docstring) keeps one segment's graph alive at a time."""
         leaves, self._leaves = self._leaves, []
+        sources, self._sources = self._sources, []
         grads = [leaf.grad for leaf in leaves]
         if all(g is None for g in grads):
             return
         device, dtype, autocast = self._autocast
+        if sources:  # kept from the first encoding (keep_graph): back-propagated as it is
+            pairs = [(src, g) for src, g in zip(sources, grads) if g is not None]
+            with torch.autocast(device, enabled=False):
+                torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+            return
         L = len(self)
         for start in reversed(range(0, L, self.segment)):
             end = min(start + self.segment, L)
@@ -473,11 +500,19 @@ class SharedPrefix:
 _KEPT_PREFIXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # network → (key, SharedPrefix)
 
 
-def update_prefix(model, sequences: list[list[int]], parts: list[list[int]], reuse: bool = False) -> SharedPrefix | None:
+def update_prefix(model, sequences: list[list[int]], parts: list[list[int]], reuse: bool = False, max_tokens: int = 0) -> SharedPrefix | None:
     """The prefix all of an update's sequences share, encoded once for all its micro-batches
     `parts`, when there are several and it is long enough to matter (None otherwise, and with
     gradient checkpointing, where `_hidden_states` could not use it). Call under the update's
     autocast.
+
+    `max_tokens`: the update's cap on the positions one forward encodes (`micro_batches`; 0: no
+    cap). Where every micro-batch's counted positions (`encoded_positions`, the prefix included)
+    are within it, the prefix's graph is kept over the micro-batches (SharedPrefix's
+    `keep_graph`): what is alive while a micro-batch runs is then what the cap already counted
+    for it. Where a micro-batch is over the cap (a single row longer than it, e.g. the main
+    job's one-trajectory micro-batches), no graph is kept and `backward()` encodes the prefix
+    again in segments of PREFIX_SEGMENT positions.
 
     `reuse` (a network called without gradients: the KL reference): the encoding is kept, and
     the next call gets it back while the prefix tokens, the autocast dtype and the network's
@@ -492,7 +527,8 @@ def update_prefix(model, sequences: list[list[int]], parts: list[list[int]], reu
         return None
     ids = sequences[0][:L]
     if not reuse:
-        return SharedPrefix(model, ids)
+        keep = all(max_tokens <= 0 or encoded_positions([sequences[i] for i in part]) <= max_tokens for part in parts)
+        return SharedPrefix(model, ids, keep_graph=keep)
     if torch.is_grad_enabled():
         raise ValueError("update_prefix(reuse=True) is for a network called without gradients (under torch.no_grad)")
     device = next(model.parameters()).device.type

@@ -229,7 +229,7 @@ def supervision_backward(model, examples: Sequence, pad_id: int, weight: float =
     sequences = [e.token_ids for e in examples]
     parts = micro_batches(sequences, micro, max_tokens)
     with training_passes(model, autocast):
-        prefix = update_prefix(model, sequences, parts)
+        prefix = update_prefix(model, sequences, parts, max_tokens=max_tokens)
         for idx in parts:
             ids, attn, tmask = collate_sft([examples[i] for i in idx], pad_id)
             logp, _ = token_logprobs(model, ids.to(device), attn.to(device), tmask.to(device), prefix=prefix)

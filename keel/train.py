@@ -109,7 +109,7 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
     ref_net, ref_mode = reference_network(ref_model, model)
     ref_prefix = None
     with training_passes(model, autocast):
-        prefix = update_prefix(model, kept, parts)
+        prefix = update_prefix(model, kept, parts, max_tokens=max_tokens)
         if ref_net is not None:  # the reference's own encoding of the same prefix: once per update, kept while its weights are the same
             with torch.no_grad(), ref_mode():
                 ref_prefix = update_prefix(ref_net, kept, parts, reuse=ref_net is not model)

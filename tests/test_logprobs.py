@@ -432,6 +432,67 @@ def test_the_prefix_encoded_again_in_segments_gives_the_same_gradients(tiny):
             assert torch.allclose(whole[n], got[n], atol=1e-5, rtol=1e-4), (segment, n)
 
 
+def test_a_kept_prefix_graph_gives_the_gradients_of_the_prefix_encoded_again(tiny):
+    """SharedPrefix(keep_graph=True) holds the first encoding's graph and back-propagates it in
+    `backward()` instead of encoding the prefix again in segments: the same log-probs, and weight
+    gradients within float32 rounding of the segmented ones (targets inside the prefix too); what
+    it keeps for backward is the prefix's graph, which the default keeps none of."""
+    from keel.logprobs import SharedPrefix
+
+    model, _ = tiny
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(5, 200, (40,), generator=g).tolist()
+    seqs = [prefix + torch.randint(5, 200, (n,), generator=g).tolist() for n in (6, 11)]
+    ids = torch.zeros(2, 51, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for b, q in enumerate(seqs):
+        ids[b, : len(q)] = torch.tensor(q)
+        attn[b, : len(q)] = 1
+    tmask = attn.bool().clone()
+    tmask[:, :41] = False
+    tmask[:, 20] = True
+
+    def run(keep: bool):
+        m = copy.deepcopy(model).train()
+        holder = []
+        saved, _ = _saved_bytes(lambda: holder.append(SharedPrefix(m, prefix, segment=16, keep_graph=keep)))
+        pre = holder[0]
+        lp, _ = token_logprobs(m, ids, attn, tmask, prefix=pre)
+        (lp * torch.linspace(-1, 2, lp.numel())).sum().backward()
+        pre.backward()
+        assert pre._sources == [] and pre._leaves == []  # the graph is let go
+        return saved, lp.detach(), {n: p.grad for n, p in m.named_parameters()}
+
+    saved_again, lp_again, again = run(False)
+    saved_kept, lp_kept, kept = run(True)
+    assert saved_again == 0 and saved_kept > 0
+    assert torch.equal(lp_again, lp_kept)  # the same forward values: only the backward's route differs
+    for n in again:
+        assert torch.allclose(again[n], kept[n], atol=1e-5, rtol=1e-4), n
+    with torch.no_grad():  # no gradients (the reference): nothing to keep, whatever is asked
+        frozen = SharedPrefix(model, prefix, keep_graph=True)
+    assert frozen._sources == [] and not any(leaf.requires_grad for leaf in frozen._leaves)
+
+
+def test_update_prefix_keeps_the_graph_where_the_token_cap_counted_it(tiny):
+    """update_prefix keeps the prefix's graph over the micro-batches exactly where every
+    micro-batch's counted positions (`encoded_positions`: the prefix once, rows × the longest
+    remainder) are within the cap, or there is no cap."""
+    from keel.logprobs import encoded_positions, update_prefix
+
+    m = copy.deepcopy(tiny[0]).train()
+    system = list(range(100, 140))  # 40 positions ≥ MIN_SHARED_PREFIX
+    rows = [system + [1000 + i] * 20 for i in range(2)] + [system + [2000 + i] * 30 for i in range(2)]
+    parts = [[0, 1], [2, 3]]
+    # [0, 1]: 40 + 2 × 20 = 80; [2, 3]: 40 + 2 × 30 = 100; one row: its length
+    assert [encoded_positions([rows[i] for i in p]) for p in parts] == [80, 100]
+    assert encoded_positions([rows[2]]) == 70 and encoded_positions([[1] * 5, [2] * 9]) == 18  # no prefix shared: 2 × 9
+    assert update_prefix(m, rows, parts, max_tokens=100)._sources
+    assert update_prefix(m, rows, parts, max_tokens=0)._sources
+    assert not update_prefix(m, rows, parts, max_tokens=99)._sources  # [2, 3] is over it
+    assert not update_prefix(m, rows, [[0], [1], [2], [3]], max_tokens=69)._sources  # single rows over the cap
+
+
 def test_batch_to_moves_every_field():
     # grpo_update moves each collated micro-batch to the model's device (a CUDA model got CPU
     # tensors before, found on the device tool's H200); on CPU the move keeps every value
