@@ -107,6 +107,11 @@ def _training_sdpa(module, query, key, value, attention_mask, dropout: float = 0
     transformers' SDPA."""
     groups = getattr(module, "num_key_value_groups", 1)
     plain = not any(kwargs.get(k) is not None for k in ("sliding_window", "softcap", "s_aux", "position_bias"))
+    layout = getattr(_PACKING, "layout", None)
+    if layout is not None and query.shape[0] == 1 and query.shape[2] == layout.index.numel():
+        if query.device.type != "cpu" or not plain or dropout != 0.0 or query.shape[1] != key.shape[1] * groups:
+            raise RuntimeError("keel.logprobs: packed rows reached an attention layer that is not plain causal attention on the CPU")
+        return _packed_attention(query, key, value, layout, scaling, groups), None
     if query.device.type != "cpu" or not plain or query.shape[1] != key.shape[1] * groups:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -130,6 +135,75 @@ def _training_sdpa(module, query, key, value, attention_mask, dropout: float = 0
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
                                                            is_causal=causal, enable_gqa=groups > 1)
     return out.transpose(1, 2).contiguous(), None
+
+
+class _Packed:
+    """Where a micro-batch's right-padded rows [B, W] (beyond what they share) go when they run
+    packed, as one row of their N real positions: `index` [N], each one's place in the rows
+    flattened (b · W + t); `visible` [B, W] int32, t + 1 at a real position (the row's own
+    positions it sees), 0 at padding."""
+
+    def __init__(self, keep: torch.Tensor):
+        B, W = keep.shape
+        self.rows, self.width = B, W
+        self.index = keep.flatten().nonzero()[:, 0]
+        self.visible = torch.where(keep, torch.arange(1, W + 1, dtype=torch.int32, device=keep.device), 0).to(torch.int32)
+
+    def spread(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] packed → [B, W, ...], zero at padding."""
+        return x.new_zeros((self.rows * self.width,) + tuple(x.shape[1:])).index_copy(0, self.index, x).view(self.rows, self.width, *x.shape[1:])
+
+
+_PACKING = threading.local()  # .layout: the _Packed rows the training attention is running, while `_hidden_states_of` runs them
+
+
+@contextlib.contextmanager
+def _packing(layout: _Packed):
+    _PACKING.layout = layout
+    try:
+        yield
+    finally:
+        _PACKING.layout = None
+
+
+def _packed_attention(query, key, value, layout: _Packed, scaling: float | None, groups: int) -> torch.Tensor:
+    """Attention of packed rows (`_hidden_states_of`): query [1, H, N, D] at the rows' N real
+    positions, key and value [1, KV, P + N, D] — the P positions every row shares (a cached
+    prefix, one copy) then the packed ones. Each row is spread back to its padded place, its
+    queries seeing the shared positions and its own positions up to theirs (a padding query sees
+    one key, and its output is dropped), and the kernel runs as for the unpacked rows: Keel's
+    bf16 kernel where `_bf16_training_kernels` serves, else SDPA with that mask. Returns
+    [1, N, H, D]. Per real position the same sums as the padded rows; padding costs no GEMM."""
+    N = layout.index.numel()
+    P = key.shape[2] - N
+    B, W = layout.rows, layout.width
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    lib = _bf16_training_kernels(query, key, value)
+    if lib is not None:  # autocast's casts for SDPA, made on the packed positions
+        query, key, value = (t.to(torch.bfloat16) for t in (query, key, value))
+
+    def spread(x):  # [1, h, N, D] → [B, h, W, D]
+        return layout.spread(x[0].transpose(0, 1)).transpose(1, 2)
+
+    q = spread(query)
+    k = torch.cat([key[:, :, :P].expand(B, -1, -1, -1), spread(key[:, :, P:])], dim=2)
+    v = torch.cat([value[:, :, :P].expand(B, -1, -1, -1), spread(value[:, :, P:])], dim=2)
+    visible = torch.where(layout.visible > 0, layout.visible + P, 1).to(torch.int32)  # [B, W]
+    if lib is not None:
+        out = _NativeAttention.apply(q, k, v, visible, scale, lib)  # [B, W, H, D]
+    else:
+        seen = (torch.arange(P + W, device=q.device) < visible[..., None])[:, None]  # [B, 1, W, P + W]
+        mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))  # additive: the CPU flash kernel takes it
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1).transpose(1, 2)
+    return out.reshape(B * W, *out.shape[2:]).index_select(0, layout.index)[None]
+
+
+def packs_rows(config) -> bool:
+    """Whether `_hidden_states_of` may run a model's padded rows packed: every layer plain causal
+    attention (no sliding window, no logit softcap), which `_packed_attention` computes."""
+    types = getattr(config, "layer_types", None)
+    sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True) is not False
+    return (not types or all(t == "full_attention" for t in types)) and not sliding and getattr(config, "attn_logit_softcapping", None) is None
 
 
 def _bf16_training_kernels(query, key, value):
@@ -563,21 +637,54 @@ def _hidden_states_of(body, input_ids: torch.Tensor, attention_mask: torch.Tenso
     L = len(prefix) if prefix is not None and not checkpointing and prefix.matches(input_ids, attention_mask) else 0
     shared = max(L, shared_prefix_len(input_ids, attention_mask))
     if not L and (shared < MIN_SHARED_PREFIX or checkpointing):
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
+        layout = None if checkpointing else _pack_layout(body, input_ids, attention_mask, 0)
+        if layout is None:
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
+        with _packing(layout):
+            out = body(input_ids=input_ids.flatten()[layout.index][None], position_ids=(layout.index % T)[None], use_cache=False)
+        return layout.spread(out.last_hidden_state[0])
+    layout = _pack_layout(body, input_ids, attention_mask, shared)
+    rows = B if layout is None else 1  # packed rows attend to one copy of what they share
     if shared == L:
-        pre_hidden, cache = prefix.states(B)
+        pre_hidden, cache = prefix.states(rows)
     else:
         hidden, cache = prefix.states(1) if L else (None, None)
         more = body(input_ids=input_ids[:1, L:shared], position_ids=torch.arange(L, shared, device=input_ids.device)[None],
                     past_key_values=cache, use_cache=True)
         cache = more.past_key_values
-        cache.batch_repeat_interleave(B)
-        pre_hidden = (more.last_hidden_state if hidden is None else torch.cat([hidden, more.last_hidden_state], dim=1)).expand(B, shared, -1)
+        if rows > 1:
+            cache.batch_repeat_interleave(B)
+        pre_hidden = more.last_hidden_state if hidden is None else torch.cat([hidden, more.last_hidden_state], dim=1)
         L = shared
-    positions = torch.arange(L, T, device=input_ids.device).expand(B, T - L)  # right padding: index = position
-    rest = body(input_ids=input_ids[:, L:], attention_mask=attention_mask, position_ids=positions, past_key_values=cache, use_cache=True)
-    return torch.cat([pre_hidden, rest.last_hidden_state], dim=1)
+    pre_hidden = pre_hidden.expand(B, L, -1)
+    if layout is None:
+        positions = torch.arange(L, T, device=input_ids.device).expand(B, T - L)  # right padding: index = position
+        rest = body(input_ids=input_ids[:, L:], attention_mask=attention_mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        return torch.cat([pre_hidden, rest.last_hidden_state], dim=1)
+    with _packing(layout):
+        rest = body(input_ids=input_ids[:, L:].flatten()[layout.index][None], position_ids=(L + layout.index % (T - L))[None],
+                    past_key_values=cache, use_cache=True)
+    return torch.cat([pre_hidden, layout.spread(rest.last_hidden_state[0])], dim=1)
+
+
+def _pack_layout(body, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int) -> _Packed | None:
+    """How `_hidden_states_of` runs rows [B, T] beyond their `shared` positions packed (padding
+    dropped, `_packed_attention`) — or None where it runs them as they are: a single row, rows
+    with no padding, not right-padded, not on the CPU or not under `training_attention` (only
+    `_training_sdpa` runs packed rows; elsewhere transformers' attention runs), a model whose attention is not plain causal (`packs_rows`), or
+    KEEL_PACK_ROWS=0 in the environment. On the KG task a GRPO group's four samples are padded
+    to the longest (~10% of a micro-batch's positions on the bench's batch); packed, the
+    projections, MLP and norms run only over real positions."""
+    B, T = input_ids.shape
+    if (B < 2 or input_ids.device.type != "cpu" or os.environ.get("KEEL_PACK_ROWS", "1") == "0" or not packs_rows(body.config)
+            or getattr(body.config, "_attn_implementation", None) != TRAINING_ATTENTION):  # only `_training_sdpa` takes packed rows
+        return None
+    keep = attention_mask[:, shared:].bool()
+    lengths = keep.sum(-1)
+    if bool((lengths == T - shared).all()) or not torch.equal(keep, torch.arange(T - shared, device=keep.device) < lengths[:, None]):
+        return None
+    return _Packed(keep)
 
 
 def _head_buffers(rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -3,6 +3,7 @@
 import contextlib
 import copy
 
+import pytest
 import torch
 
 from keel.logprobs import MIN_SHARED_PREFIX, _hidden_states, micro_batches, shared_prefix_len, token_logprobs
@@ -278,10 +279,16 @@ def test_a_groups_question_is_encoded_once_on_top_of_the_update_prefix(tiny):
     v0, g0, n0 = run(False)
     v1, g1, n1 = run(True)
     assert n0 == sum(len(q) for q in seqs)
-    assert n1 == 40 + (36 + 3 * 12) + (36 + 2 * 9) + 40  # the prefix, each micro-batch's question and remainders, the prefix again in backward
-    assert torch.allclose(v0, v1, atol=1e-5)
-    for n in g0:
-        assert torch.allclose(g0[n], g1[n], atol=1e-5, rtol=1e-4), n
+    # the prefix, each micro-batch's question and its rows' remainders packed (no padding), the prefix again in backward
+    assert n1 == 40 + (36 + 7 + 12 + 3) + (36 + 9 + 5) + 40
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KEEL_PACK_ROWS", "0")  # the remainders right-padded to the longest: micro_batches' count
+        v2, g2, n2 = run(True)
+    assert n2 == 40 + (36 + 3 * 12) + (36 + 2 * 9) + 40
+    for v, g in ((v1, g1), (v2, g2)):
+        assert torch.allclose(v0, v, atol=1e-5)
+        for n in g0:
+            assert torch.allclose(g0[n], g[n], atol=1e-5, rtol=1e-4), n
 
 
 def test_a_reference_prefix_is_encoded_once_while_its_weights_are_the_same(tiny):
@@ -362,8 +369,9 @@ def test_training_attention_keeps_no_repeated_keys_and_changes_no_value(tiny):
     m_hf, m_keel = copy.deepcopy(model).train(), copy.deepcopy(model).train()
     body_hf, body_keel = m_hf.model, m_keel.model
 
-    hf_bytes, hf_shapes = _saved_bytes(lambda: _hidden_states_of(body_hf, ids, attn, None).square().sum().backward())
-    keel_bytes, keel_shapes = _saved_bytes(lambda: _hidden_states(body_keel, ids, attn).square().sum().backward())
+    valid = attn.bool()  # padding's hidden states are never used (packed rows leave them zero)
+    hf_bytes, hf_shapes = _saved_bytes(lambda: _hidden_states_of(body_hf, ids, attn, None)[valid].square().sum().backward())
+    keel_bytes, keel_shapes = _saved_bytes(lambda: _hidden_states(body_keel, ids, attn)[valid].square().sum().backward())
     head_dim = cfg.hidden_size // heads
     repeated = [s for s in hf_shapes if len(s) == 4 and s[1] == heads and s[3] == head_dim]
     assert len(repeated) > len([s for s in keel_shapes if len(s) == 4 and s[1] == heads and s[3] == head_dim])
@@ -372,7 +380,6 @@ def test_training_attention_keeps_no_repeated_keys_and_changes_no_value(tiny):
     for (n, a), (_, b) in zip(m_hf.named_parameters(), m_keel.named_parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), n
     with torch.no_grad():
-        valid = attn.bool()
         assert torch.allclose(_hidden_states_of(body_hf, ids, attn, None)[valid], _hidden_states(body_keel, ids, attn)[valid], atol=1e-5)
     assert m_keel.config._attn_implementation == "sdpa"  # switched back after the forward
 
@@ -493,6 +500,55 @@ def test_update_prefix_keeps_the_graph_where_the_token_cap_counted_it(tiny):
     assert not update_prefix(m, rows, [[0], [1], [2], [3]], max_tokens=69)._sources  # single rows over the cap
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+def test_packed_rows_give_the_padded_rows_values_and_gradients(tiny, autocast):
+    """_hidden_states_of runs a micro-batch's right-padded rows packed (their real positions as
+    one row, `_packed_attention` spreading them back for the attention): log-probs and weight
+    gradients equal the padded rows' (KEEL_PACK_ROWS=0) — with no shared prefix, with rows
+    sharing a question, and on top of an update's SharedPrefix; in fp32 (SDPA with the packed
+    rows' mask) and under bf16 autocast (Keel's bf16 kernel where the CPU has it). The
+    embedding sees only real positions."""
+    from keel.logprobs import SharedPrefix
+
+    model, _ = tiny
+    g = torch.Generator().manual_seed(11)
+    system = torch.randint(5, 200, (40,), generator=g).tolist()
+    question = torch.randint(5, 200, (36,), generator=g).tolist()
+    cases = {
+        "plain": [torch.randint(5, 200, (n,), generator=g).tolist() for n in (9, 17, 4)],
+        "question": [system + question + torch.randint(5, 200, (n,), generator=g).tolist() for n in (9, 17, 4)],
+        "prefix": [system + question + torch.randint(5, 200, (n,), generator=g).tolist() for n in (9, 17, 4)],
+    }
+
+    def run(case: str, pack: bool):
+        m = copy.deepcopy(model).train()
+        seen = []
+        hook = m.get_input_embeddings().register_forward_hook(lambda mod, args, out: seen.append(args[0].numel()))
+        rows = cases[case]
+        ids, attn, tmask = _right_padded(rows, first_target=3 if case == "plain" else 41, also=2)
+        with pytest.MonkeyPatch.context() as mp, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            mp.setenv("KEEL_PACK_ROWS", "1" if pack else "0")
+            pre = SharedPrefix(m, system) if case == "prefix" else None
+            lp, _ = token_logprobs(m, ids, attn, tmask, prefix=pre)
+            (lp.float() * torch.cos(ids[tmask].float())).sum().backward()
+            if pre is not None:
+                pre.backward()
+        hook.remove()
+        return lp.detach().float(), {n: p.grad for n, p in m.named_parameters()}, sum(seen)
+
+    lengths = [len(r) for r in cases["plain"]]
+    for case in cases:
+        v0, g0, n0 = run(case, pack=False)
+        v1, g1, n1 = run(case, pack=True)
+        padded = {"plain": 3 * 17, "question": 76 + 3 * 17, "prefix": 40 + 36 + 3 * 17 + 40}[case]
+        packed = {"plain": sum(lengths), "question": 76 + sum(lengths), "prefix": 40 + 36 + sum(lengths) + 40}[case]
+        assert (n0, n1) == (padded, packed), case
+        tol = dict(atol=2e-2, rtol=2e-2) if autocast else dict(atol=1e-5, rtol=1e-4)
+        assert torch.allclose(v0, v1, **tol), case
+        for n in g0:
+            assert torch.allclose(g0[n], g1[n], **tol), (case, n)
+
+
 def test_batch_to_moves_every_field():
     # grpo_update moves each collated micro-batch to the model's device (a CUDA model got CPU
     # tensors before, found on the device tool's H200); on CPU the move keeps every value
@@ -553,7 +609,6 @@ def test_sparse_embedding_grads_give_the_dense_gradient(tiny):
 # --------------------------------------------------------------------------------------------
 import math  # noqa: E402
 
-import pytest  # noqa: E402
 
 import keel.logprobs as logprobs  # noqa: E402
 from keel import native  # noqa: E402
@@ -698,6 +753,38 @@ def test_logprobs_under_bf16_autocast_run_the_native_attention(monkeypatch):
     assert not calls
     assert (lp_native - lp_sdpa).abs().max() < 0.01 and (lp_native - lp_sdpa).abs().mean() < 0.002  # measured 0.0015, 0.0004
     assert (g_native - g_sdpa).norm() / g_sdpa.norm() < 0.02  # measured 0.003
+
+
+@needs_bf16_attention
+def test_packed_rows_run_the_native_attention_with_the_padded_rows_values(monkeypatch):
+    """Under bf16 autocast, rows run packed (`_packed_attention`) go through _NativeAttention in
+    every layer as the padded rows do, with the same log-probs and gradients up to the products'
+    rounding; the rows' projections see only their real positions."""
+    model, tok = _gqa_model()
+    ids, attn, target, _ = _batch(tok)
+    calls, rows = [], []
+    apply = logprobs._NativeAttention.apply
+    monkeypatch.setattr(logprobs._NativeAttention, "apply", lambda *a: calls.append(a[0].shape) or apply(*a))
+    hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, o: rows.append(a[0].shape[:-1].numel()))
+
+    def run(pack: str):
+        monkeypatch.setenv("KEEL_PACK_ROWS", pack)
+        model.zero_grad()
+        calls.clear(), rows.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, _ = token_logprobs(model, ids, attn, target, 1.0)
+        (lp * torch.cos(ids[target].float())).sum().backward()
+        return lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), list(calls), list(rows)
+
+    lp_pad, g_pad, calls_pad, rows_pad = run("0")
+    lp_packed, g_packed, calls_packed, rows_packed = run("1")
+    shared, lengths = shared_prefix_len(ids, attn), attn.sum(-1)
+    assert rows_pad == [shared, ids.numel() - 4 * shared] and rows_packed == [shared, int((lengths - shared).sum())]
+    assert len(calls_packed) == len(calls_pad) == 2 * model.config.num_hidden_layers
+    # measured: log-probs 0.0 apart; gradients 1.4e-3 (relative) — the weight gradients' products
+    # sum over other rows (padding's zeros gone) and are rounded to bf16 under autocast
+    assert (lp_packed - lp_pad).abs().max() < 1e-3
+    assert (g_packed - g_pad).norm() / g_pad.norm() < 5e-3
 
 
 needs_native = pytest.mark.skipif(_LIB is None, reason="no native kernels here (no C compiler): torch's ops run")
