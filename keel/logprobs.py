@@ -405,7 +405,8 @@ def micro_batches(sequences: list[list[int]], max_rows: int, max_tokens: int = 0
     only when it reaches MIN_SHARED_PREFIX). Training activations grow with that count
     (~1.2 MB per position for SmolLM2 under bf16 autocast), so the cap bounds a step's memory
     whatever the sampled lengths (with an update-wide SharedPrefix the prefix is held once for
-    the update instead, so the count is an upper bound). A single row over the cap forms its
+    the update instead, and rows run packed (`_pack_layout`) encode no padding, so the count is
+    an upper bound). A single row over the cap forms its
     own micro-batch. Cutting where the rows stop sharing (GRPO's groups: one prompt, several
     samples) and where lengths jump saves the positions a greedy fill would pad or encode again:
     on the KG task (2 prompts × 4 samples, 2,048-position cap) the greedy fill put a row of the
@@ -538,10 +539,11 @@ class SharedPrefix:
     def backward(self) -> None:
         """Back-propagate the gradients the micro-batches left on the leaves through the prefix:
         through the kept graph (keep_graph), else the prefix is encoded again, with gradients and
-        in the precision it was first encoded in (the same values), and its graph is freed at once. Holding the first encoding's graph
-        over the whole update instead cost ~1.1 MB per prefix position (~650 MB for the KG
-        task's system block); encoding it twice costs one forward of the prefix, and encoding it
-        in segments (the class docstring) keeps one segment's graph alive at a time."""
+        in the precision it was first encoded in (the same values), and its graph is freed at
+        once. Holding the first encoding's graph over the whole update costs ~1.1 MB per prefix
+        position (~650 MB for the KG task's system block); encoding it twice costs one forward
+        of the prefix, and encoding it in segments (the class docstring) keeps one segment's
+        graph alive at a time."""
         leaves, self._leaves = self._leaves, []
         sources, self._sources = self._sources, []
         grads = [leaf.grad for leaf in leaves]
@@ -671,11 +673,11 @@ def _hidden_states_of(body, input_ids: torch.Tensor, attention_mask: torch.Tenso
 def _pack_layout(body, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int) -> _Packed | None:
     """How `_hidden_states_of` runs rows [B, T] beyond their `shared` positions packed (padding
     dropped, `_packed_attention`) — or None where it runs them as they are: a single row, rows
-    with no padding, not right-padded, not on the CPU or not under `training_attention` (only
-    `_training_sdpa` runs packed rows; elsewhere transformers' attention runs), a model whose attention is not plain causal (`packs_rows`), or
-    KEEL_PACK_ROWS=0 in the environment. On the KG task a GRPO group's four samples are padded
-    to the longest (~10% of a micro-batch's positions on the bench's batch); packed, the
-    projections, MLP and norms run only over real positions."""
+    with no padding, rows not right-padded, not on the CPU, not under `training_attention` (only
+    `_training_sdpa` takes packed rows; elsewhere transformers' attention runs), a model whose
+    attention is not plain causal (`packs_rows`), or KEEL_PACK_ROWS=0 in the environment. On the
+    KG task a GRPO group's four samples are padded to the longest (10% of the bench batch's
+    micro-batch positions); packed, the projections, MLP and norms run on real positions only."""
     B, T = input_ids.shape
     if (B < 2 or input_ids.device.type != "cpu" or os.environ.get("KEEL_PACK_ROWS", "1") == "0" or not packs_rows(body.config)
             or getattr(body.config, "_attn_implementation", None) != TRAINING_ATTENTION):  # only `_training_sdpa` takes packed rows
