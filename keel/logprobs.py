@@ -576,19 +576,20 @@ class SharedPrefix:
 _KEPT_PREFIXES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # network → (key, SharedPrefix)
 
 
-def update_prefix(model, sequences: list[list[int]], parts: list[list[int]], reuse: bool = False, max_tokens: int = 0) -> SharedPrefix | None:
+def update_prefix(model, sequences: list[list[int]], parts: list[list[int]], reuse: bool = False, max_tokens: int = 0,
+                  keep_graph: bool = True) -> SharedPrefix | None:
     """The prefix all of an update's sequences share, encoded once for all its micro-batches
     `parts`, when there are several and it is long enough to matter (None otherwise, and with
     gradient checkpointing, where `_hidden_states` could not use it). Call under the update's
     autocast.
 
     `max_tokens`: the update's cap on the positions one forward encodes (`micro_batches`; 0: no
-    cap). Where every micro-batch's counted positions (`encoded_positions`, the prefix included)
-    are within it, the prefix's graph is kept over the micro-batches (SharedPrefix's
-    `keep_graph`): what is alive while a micro-batch runs is then what the cap already counted
-    for it. Where a micro-batch is over the cap (a single row longer than it, e.g. the main
-    job's one-trajectory micro-batches), no graph is kept and `backward()` encodes the prefix
-    again in segments of PREFIX_SEGMENT positions.
+    cap). With `keep_graph` (`model.recompute_shared_prefix` false), where every micro-batch's
+    counted positions (`encoded_positions`, the prefix included) are within it, the prefix's
+    graph is kept over the micro-batches (SharedPrefix's `keep_graph`): what is alive while a
+    micro-batch runs is then what the cap already counted for it. Otherwise (or a micro-batch
+    over the cap: a single row longer than it) no graph is kept and `backward()` encodes the
+    prefix again in segments of PREFIX_SEGMENT positions.
 
     `reuse` (a network called without gradients: the KL reference): the encoding is kept, and
     the next call gets it back while the prefix tokens, the autocast dtype and the network's
@@ -603,7 +604,7 @@ def update_prefix(model, sequences: list[list[int]], parts: list[list[int]], reu
         return None
     ids = sequences[0][:L]
     if not reuse:
-        keep = all(max_tokens <= 0 or encoded_positions([sequences[i] for i in part]) <= max_tokens for part in parts)
+        keep = keep_graph and all(max_tokens <= 0 or encoded_positions([sequences[i] for i in part]) <= max_tokens for part in parts)
         return SharedPrefix(model, ids, keep_graph=keep)
     if torch.is_grad_enabled():
         raise ValueError("update_prefix(reuse=True) is for a network called without gradients (under torch.no_grad)")

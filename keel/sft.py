@@ -210,7 +210,7 @@ def collate_sft(examples: list[SFTExample], pad_id: int) -> tuple[torch.Tensor, 
 
 
 def supervision_backward(model, examples: Sequence, pad_id: int, weight: float = 1.0, micro: int = 8, autocast: bool = False,
-                         max_tokens: int = 0) -> float:
+                         max_tokens: int = 0, keep_prefix_graph: bool = True) -> float:
     """Accumulate gradients of weight · NLL over the examples' targets (token-mean over all of
     them, `keel.losses.sft_loss`); no optimizer step. Returns the unweighted loss.
 
@@ -218,8 +218,9 @@ def supervision_backward(model, examples: Sequence, pad_id: int, weight: float =
     and before gradient clipping, once per kind with `Schedule.sync_weight(kind)`.
     `autocast`: bf16 autocast of the forward, as train.py's `model.autocast`; micro-batches hold at
     most `micro` examples and `max_tokens` encoded positions (`keel.logprobs.micro_batches`), and
-    the examples' common prefix is encoded once for all of them (`keel.logprobs.SharedPrefix`).
-    train.py's `sft_step` is this plus the optimizer step.
+    the examples' common prefix is encoded once for all of them (`keel.logprobs.SharedPrefix`;
+    `keep_prefix_graph`: `keel.logprobs.update_prefix`'s `keep_graph`, false for
+    `model.recompute_shared_prefix`). train.py's `sft_step` is this plus the optimizer step.
     """
     if not examples:
         return 0.0
@@ -229,7 +230,7 @@ def supervision_backward(model, examples: Sequence, pad_id: int, weight: float =
     sequences = [e.token_ids for e in examples]
     parts = micro_batches(sequences, micro, max_tokens)
     with training_passes(model, autocast):
-        prefix = update_prefix(model, sequences, parts, max_tokens=max_tokens)
+        prefix = update_prefix(model, sequences, parts, max_tokens=max_tokens, keep_graph=keep_prefix_graph)
         for idx in parts:
             ids, attn, tmask = collate_sft([examples[i] for i in idx], pad_id)
             logp, _ = token_logprobs(model, ids.to(device), attn.to(device), tmask.to(device), prefix=prefix)

@@ -53,12 +53,13 @@ from keel.types import Source, Trajectory, close_env
 # SFT
 # ---------------------------------------------------------------------------------------------
 def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad_norm: float, micro: int = 8, autocast: bool = False,
-             max_tokens: int = 0) -> dict[str, float]:
+             max_tokens: int = 0, keep_prefix_graph: bool = True) -> dict[str, float]:
     """One optimizer step of NLL on the examples' target tokens (token-mean over the batch).
-    Micro-batches: at most `micro` examples and `max_tokens` encoded positions (`micro_batches`)."""
+    Micro-batches: at most `micro` examples and `max_tokens` encoded positions (`micro_batches`);
+    `keep_prefix_graph` as `keel.sft.supervision_backward`'s."""
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    total = supervision_backward(model, examples, pad_id, 1.0, micro, autocast, max_tokens)
+    total = supervision_backward(model, examples, pad_id, 1.0, micro, autocast, max_tokens, keep_prefix_graph)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     skipped = not math.isfinite(total) or not torch.isfinite(norm)
     if skipped:
@@ -73,7 +74,7 @@ def sft_step(model, optimizer, examples: list[SFTExample], pad_id: int, max_grad
 # ---------------------------------------------------------------------------------------------
 def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], advantages: torch.Tensor, g: GRPOConfig, pad_id: int, temperature: float,
                 telemetry_sink: list | None = None, old_from_policy: Sequence[bool] | None = None, extra_losses: list[tuple[str, float, list]] = (),
-                autocast: bool = False, max_tokens: int = 0) -> dict[str, float]:
+                autocast: bool = False, max_tokens: int = 0, keep_prefix_graph: bool = True) -> dict[str, float]:
     """One optimizer step of the GRPO loss over the trajectories (gradient-accumulated).
 
     Loss = aggregate(clipped surrogate) + g.kl_coef · aggregate(KL(policy || reference)), both
@@ -88,7 +89,9 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
     `extra_losses`: (kind, weight, SFT examples) added to this same update — paper A's
     synchronous paradigm (gold SFT, ETS, reflection losses mixed into the RL step).
     `autocast`: bf16 autocast for the forwards; `max_tokens`: cap on the positions one forward
-    encodes (`micro_batches`; 0: g.micro_batch_size rows only).
+    encodes (`micro_batches`; 0: g.micro_batch_size rows only); `keep_prefix_graph`: the shared
+    prefix's graph may be kept over the micro-batches (`update_prefix`; false for
+    `model.recompute_shared_prefix`).
     """
     train_sources = (Source.POLICY, Source.EXPERT)
     members = [i for i in range(len(trajectories)) if not (g.skip_zero_advantage and float(advantages[i]) == 0.0)]
@@ -109,7 +112,7 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
     ref_net, ref_mode = reference_network(ref_model, model)
     ref_prefix = None
     with training_passes(model, autocast):
-        prefix = update_prefix(model, kept, parts, max_tokens=max_tokens)
+        prefix = update_prefix(model, kept, parts, max_tokens=max_tokens, keep_graph=keep_prefix_graph)
         if ref_net is not None:  # the reference's own encoding of the same prefix: once per update, kept while its weights are the same
             with torch.no_grad(), ref_mode():
                 ref_prefix = update_prefix(ref_net, kept, parts, reuse=ref_net is not model)
@@ -163,7 +166,7 @@ def grpo_update(model, ref_model, optimizer, trajectories: list[Trajectory], adv
         for kind, weight, examples in extra_losses:
             if not examples:
                 continue
-            value = supervision_backward(model, examples, pad_id, weight, g.micro_batch_size, autocast, max_tokens)
+            value = supervision_backward(model, examples, pad_id, weight, g.micro_batch_size, autocast, max_tokens, keep_prefix_graph)
             stats[M.supervision_loss_key(kind)] = value
             extra_total += weight * value
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), g.max_grad_norm)
@@ -264,7 +267,7 @@ def sft_phase(run: Run) -> bool:
 
     def step(optimizer, part: list[SFTExample], max_grad_norm: float) -> dict[str, float]:  # one SFT step on this rank's part of a batch
         return sft_step(run.model, optimizer, part, run.pad_id, max_grad_norm, autocast=cfg.model.autocast,
-                        max_tokens=cfg.model.max_tokens_per_micro_batch)
+                        max_tokens=cfg.model.max_tokens_per_micro_batch, keep_prefix_graph=not cfg.model.recompute_shared_prefix)
 
     bar = progress_bar(cfg.sft.steps, "sft", cfg.run.progress and run.ctx.is_main)
     bar.update(p.sft_done)
@@ -334,7 +337,8 @@ def supervision_phase(run: Run, phase) -> None:
         examples = sample_examples(examples, cfg.signals.phase_examples, run.rng)
     optimizer = adamw(run.model.parameters(), lr=phase.lr, eps=cfg.grpo.adam_eps)
     lines = run_phase(run.model, examples, phase, run.pad_id, cfg.grpo.max_grad_norm, run.rng, cfg.grpo.micro_batch_size,
-                      optimizer=optimizer, autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch)
+                      optimizer=optimizer, autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch,
+                      keep_prefix_graph=not cfg.model.recompute_shared_prefix)
     for stats in lines:
         run.progress.step += 1
         log(run, {M.PHASE: "sft", **stats, M.SIGNAL_PHASE: phase.kind})
@@ -398,7 +402,8 @@ def rl_step(run: Run, params: SamplingParams) -> tuple[dict[str, Any], bool]:
     update = ShardedUpdate(run.optimizer, run.model, members, adv, g, ctx)  # one process: run.optimizer and g as they are
     stats = update.finish(grpo_update(run.model, run.ref_model, update.optimizer, members, adv, update.grpo, run.pad_id, cfg.rollout.temperature,
                                       telemetry_sink=sink, old_from_policy=old_from_policy, extra_losses=extra,
-                                      autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch))
+                                      autocast=cfg.model.autocast, max_tokens=cfg.model.max_tokens_per_micro_batch,
+                                      keep_prefix_graph=not cfg.model.recompute_shared_prefix))
     sink = gather_telemetry(sink, len(local), ctx)  # KL telemetry on the sampled rows of every rank, not gold ones
     run.scheduler.step()
     run.model.zero_grad(set_to_none=True)  # the rollout and evaluations that follow need no gradients

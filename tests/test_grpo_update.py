@@ -29,11 +29,20 @@ def _grads_after(model, trajs, adv, cfg, pad):
     m = copy.deepcopy(model)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)  # lr 0: keep weights, inspect gradients
-    stats = grpo_update(m, ref, opt, trajs, adv, cfg.grpo, pad, 1.0, max_tokens=cfg.model.max_tokens_per_micro_batch)
+    stats = grpo_update(m, ref, opt, trajs, adv, cfg.grpo, pad, 1.0, max_tokens=cfg.model.max_tokens_per_micro_batch,
+                        keep_prefix_graph=not cfg.model.recompute_shared_prefix)
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}, stats
 
 
-def test_micro_batch_size_does_not_change_gradients(tiny):
+def test_micro_batch_size_does_not_change_gradients(tiny, monkeypatch):
+    """Rows alone, all 8 in one micro-batch, or cut by a token cap (the update's shared prefix then
+    kept over the micro-batches with its graph, or encoded again in backward under
+    `model.recompute_shared_prefix`): the same gradients."""
+    import keel.train
+
+    kept = []
+    real = keel.train.update_prefix
+    monkeypatch.setattr(keel.train, "update_prefix", lambda *a, **k: (lambda p: kept.append(p is not None and bool(p._sources)) or p)(real(*a, **k)))
     model, tok = tiny
     trajs, adv = _batch(tiny)
     for agg in ("token-mean", "seq-mean-token-mean"):
@@ -49,9 +58,15 @@ def test_micro_batch_size_does_not_change_gradients(tiny):
         cfg_c.model.max_tokens_per_micro_batch = cap
         assert 1 < len(micro_batches(seqs, 8, cap)) < len(trajs)
         cfg_a.grpo.max_grad_norm = cfg_b.grpo.max_grad_norm = cfg_c.grpo.max_grad_norm = 1e9
+        cfg_d = copy.deepcopy(cfg_c)
+        cfg_d.model.recompute_shared_prefix = True
         ga, sa = _grads_after(model, trajs, adv, cfg_a, tok.pad_token_id)
-        for cfg in (cfg_b, cfg_c):
+        for cfg in (cfg_b, cfg_c, cfg_d):
+            kept.clear()
             gb, sb = _grads_after(model, trajs, adv, cfg, tok.pad_token_id)
+            # the policy's prefix (the first call; the reference's is kept without a graph): its graph
+            # kept where no cap or the cap counted it, not when recomputing
+            assert kept[0] == (cfg is not cfg_d), kept
             assert ga.keys() == gb.keys() and ga
             for k in ga:
                 assert torch.allclose(ga[k], gb[k], atol=1e-6, rtol=1e-4), (agg, k)

@@ -497,6 +497,7 @@ def test_update_prefix_keeps_the_graph_where_the_token_cap_counted_it(tiny):
     assert update_prefix(m, rows, parts, max_tokens=100)._sources
     assert update_prefix(m, rows, parts, max_tokens=0)._sources
     assert not update_prefix(m, rows, parts, max_tokens=99)._sources  # [2, 3] is over it
+    assert not update_prefix(m, rows, parts, max_tokens=0, keep_graph=False)._sources  # model.recompute_shared_prefix
     assert not update_prefix(m, rows, [[0], [1], [2], [3]], max_tokens=69)._sources  # single rows over the cap
 
 

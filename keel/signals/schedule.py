@@ -101,10 +101,11 @@ class Schedule:
 
 def run_phase(model, examples: Sequence, phase: SupervisionPhase, pad_id: int, max_grad_norm: float,
               rng: random.Random, micro: int = 8, optimizer=None, autocast: bool = False,
-              max_tokens: int = 0) -> list[dict[str, float]]:
+              max_tokens: int = 0, keep_prefix_graph: bool = True) -> list[dict[str, float]]:
     """An interleaved supervision phase: `phase.epochs` shuffled passes over the examples in
     batches of `phase.batch_size`, one optimizer step per batch (a fresh AdamW at `phase.lr`
-    unless `optimizer` is given). Returns one stats line per step (keel.metrics names)."""
+    unless `optimizer` is given). Returns one stats line per step (keel.metrics names).
+    `keep_prefix_graph` as `keel.sft.supervision_backward`'s."""
     import torch
 
     from keel import metrics as M
@@ -122,7 +123,7 @@ def run_phase(model, examples: Sequence, phase: SupervisionPhase, pad_id: int, m
         for s in range(0, len(order), phase.batch_size):
             batch = [examples[i] for i in order[s : s + phase.batch_size]]
             opt.zero_grad(set_to_none=True)
-            loss = supervision_backward(model, batch, pad_id, 1.0, micro, autocast, max_tokens)
+            loss = supervision_backward(model, batch, pad_id, 1.0, micro, autocast, max_tokens, keep_prefix_graph)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             skipped = not (math.isfinite(loss) and torch.isfinite(norm))
             if skipped:  # a NaN must not poison the weights
