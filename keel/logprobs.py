@@ -148,10 +148,25 @@ class _Packed:
         self.rows, self.width = B, W
         self.index = keep.flatten().nonzero()[:, 0]
         self.visible = torch.where(keep, torch.arange(1, W + 1, dtype=torch.int32, device=keep.device), 0).to(torch.int32)
+        self._made: dict = {}  # what every layer's attention asks again: visible counts and masks per (P, dtype)
 
     def spread(self, x: torch.Tensor) -> torch.Tensor:
         """[N, ...] packed → [B, W, ...], zero at padding."""
         return x.new_zeros((self.rows * self.width,) + tuple(x.shape[1:])).index_copy(0, self.index, x).view(self.rows, self.width, *x.shape[1:])
+
+    def keys_seen(self, P: int) -> torch.Tensor:
+        """[B, W] int32: the keys each query sees after P shared positions (P + t + 1; a padding
+        query, one), made once for every layer."""
+        if P not in self._made:
+            self._made[P] = torch.where(self.visible > 0, self.visible + P, 1).to(torch.int32)
+        return self._made[P]
+
+    def additive_mask(self, P: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, W, P + W] SDPA's additive form of `keys_seen` (0 seen, -inf not), made once for every layer."""
+        if (P, dtype) not in self._made:
+            seen = torch.arange(P + self.width, device=self.visible.device) < self.keys_seen(P)[..., None]
+            self._made[P, dtype] = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))[:, None]
+        return self._made[P, dtype]
 
 
 _PACKING = threading.local()  # .layout: the _Packed rows the training attention is running, while `_hidden_states_of` runs them
@@ -188,13 +203,11 @@ def _packed_attention(query, key, value, layout: _Packed, scaling: float | None,
     q = spread(query)
     k = torch.cat([key[:, :, :P].expand(B, -1, -1, -1), spread(key[:, :, P:])], dim=2)
     v = torch.cat([value[:, :, :P].expand(B, -1, -1, -1), spread(value[:, :, P:])], dim=2)
-    visible = torch.where(layout.visible > 0, layout.visible + P, 1).to(torch.int32)  # [B, W]
     if lib is not None:
-        out = _NativeAttention.apply(q, k, v, visible, scale, lib)  # [B, W, H, D]
-    else:
-        seen = (torch.arange(P + W, device=q.device) < visible[..., None])[:, None]  # [B, 1, W, P + W]
-        mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))  # additive: the CPU flash kernel takes it
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1).transpose(1, 2)
+        out = _NativeAttention.apply(q, k, v, layout.keys_seen(P), scale, lib)  # [B, W, H, D]
+    else:  # an additive mask: the CPU flash kernel takes it
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.additive_mask(P, q.dtype), scale=scale,
+                                                               enable_gqa=groups > 1).transpose(1, 2)
     return out.reshape(B * W, *out.shape[2:]).index_select(0, layout.index)[None]
 
 
