@@ -148,7 +148,8 @@ class _Packed:
         self.rows, self.width = B, W
         self.index = keep.flatten().nonzero()[:, 0]
         self.visible = torch.where(keep, torch.arange(1, W + 1, dtype=torch.int32, device=keep.device), 0).to(torch.int32)
-        self._made: dict = {}  # what every layer's attention asks again: visible counts and masks per (P, dtype)
+        self._seen: dict[int, torch.Tensor] = {}  # keys_seen per P, asked again by every layer
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # additive_mask per (P, dtype)
 
     def spread(self, x: torch.Tensor) -> torch.Tensor:
         """[N, ...] packed → [B, W, ...], zero at padding."""
@@ -157,16 +158,16 @@ class _Packed:
     def keys_seen(self, P: int) -> torch.Tensor:
         """[B, W] int32: the keys each query sees after P shared positions (P + t + 1; a padding
         query, one), made once for every layer."""
-        if P not in self._made:
-            self._made[P] = torch.where(self.visible > 0, self.visible + P, 1).to(torch.int32)
-        return self._made[P]
+        if P not in self._seen:
+            self._seen[P] = torch.where(self.visible > 0, self.visible + P, 1).to(torch.int32)
+        return self._seen[P]
 
     def additive_mask(self, P: int, dtype: torch.dtype) -> torch.Tensor:
         """[B, 1, W, P + W] SDPA's additive form of `keys_seen` (0 seen, -inf not), made once for every layer."""
-        if (P, dtype) not in self._made:
+        if (P, dtype) not in self._masks:
             seen = torch.arange(P + self.width, device=self.visible.device) < self.keys_seen(P)[..., None]
-            self._made[P, dtype] = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))[:, None]
-        return self._made[P, dtype]
+            self._masks[P, dtype] = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))[:, None]
+        return self._masks[P, dtype]
 
 
 _PACKING = threading.local()  # .layout: the _Packed rows the training attention is running, while `_hidden_states_of` runs them

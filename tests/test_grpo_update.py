@@ -40,9 +40,15 @@ def test_micro_batch_size_does_not_change_gradients(tiny, monkeypatch):
     `model.recompute_shared_prefix`): the same gradients."""
     import keel.train
 
-    kept = []
+    kept = []  # per update_prefix call: whether the prefix's graph is kept
     real = keel.train.update_prefix
-    monkeypatch.setattr(keel.train, "update_prefix", lambda *a, **k: (lambda p: kept.append(p is not None and bool(p._sources)) or p)(real(*a, **k)))
+
+    def spy(*args, **kwargs):
+        prefix = real(*args, **kwargs)
+        kept.append(prefix is not None and bool(prefix._sources))
+        return prefix
+
+    monkeypatch.setattr(keel.train, "update_prefix", spy)
     model, tok = tiny
     trajs, adv = _batch(tiny)
     for agg in ("token-mean", "seq-mean-token-mean"):
