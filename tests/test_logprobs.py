@@ -404,15 +404,11 @@ def test_update_wide_prefix_keeps_no_graph_until_its_backward(tiny):
     assert not any(leaf.requires_grad for leaf in frozen._leaves)  # the reference's prefix takes no gradient
 
 
-def test_the_prefix_encoded_again_in_segments_gives_the_same_gradients(tiny):
-    """SharedPrefix.backward encodes the prefix `segment` positions at a time, last segment first,
-    each attending to the stored keys and values before it as leaves: the weight gradients equal
-    those of one segment (and so, by test_update_wide_prefix_..., of every micro-batch encoding
-    the prefix itself), with targets inside the prefix too."""
-    from keel.logprobs import SharedPrefix
-
-    model, _ = tiny
-    g = torch.Generator().manual_seed(5)
+def _prefix_rows(seed: int):
+    """A 40-token prefix and two right-padded rows that start with it (6 and 11 tokens more):
+    (prefix, input_ids [2, 51], attention_mask, target_mask) with targets after the prefix and
+    one inside it, at position 20, whose hidden state then gets gradients too."""
+    g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(5, 200, (40,), generator=g).tolist()
     seqs = [prefix + torch.randint(5, 200, (n,), generator=g).tolist() for n in (6, 11)]
     ids = torch.zeros(2, 51, dtype=torch.long)
@@ -422,7 +418,19 @@ def test_the_prefix_encoded_again_in_segments_gives_the_same_gradients(tiny):
         attn[b, : len(q)] = 1
     tmask = attn.bool().clone()
     tmask[:, :41] = False
-    tmask[:, 20] = True  # a target inside the prefix: its hidden states get gradients too
+    tmask[:, 20] = True
+    return prefix, ids, attn, tmask
+
+
+def test_the_prefix_encoded_again_in_segments_gives_the_same_gradients(tiny):
+    """SharedPrefix.backward encodes the prefix `segment` positions at a time, last segment first,
+    each attending to the stored keys and values before it as leaves: the weight gradients equal
+    those of one segment (and so, by test_update_wide_prefix_..., of every micro-batch encoding
+    the prefix itself), with targets inside the prefix too."""
+    from keel.logprobs import SharedPrefix
+
+    model, _ = tiny
+    prefix, ids, attn, tmask = _prefix_rows(seed=5)
 
     def grads(segment: int):
         m = copy.deepcopy(model).train()
@@ -447,17 +455,7 @@ def test_a_kept_prefix_graph_gives_the_gradients_of_the_prefix_encoded_again(tin
     from keel.logprobs import SharedPrefix
 
     model, _ = tiny
-    g = torch.Generator().manual_seed(7)
-    prefix = torch.randint(5, 200, (40,), generator=g).tolist()
-    seqs = [prefix + torch.randint(5, 200, (n,), generator=g).tolist() for n in (6, 11)]
-    ids = torch.zeros(2, 51, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for b, q in enumerate(seqs):
-        ids[b, : len(q)] = torch.tensor(q)
-        attn[b, : len(q)] = 1
-    tmask = attn.bool().clone()
-    tmask[:, :41] = False
-    tmask[:, 20] = True
+    prefix, ids, attn, tmask = _prefix_rows(seed=7)
 
     def run(keep: bool):
         m = copy.deepcopy(model).train()
