@@ -441,8 +441,7 @@ def micro_batches(sequences: list[list[int]], max_rows: int, max_tokens: int = 0
         for j in range(i + 1, min(n, i + max_rows) + 1):  # the micro-batch of rows [i, j)
             if j > i + 1:
                 longest, lcp = max(longest, len(sequences[j - 1])), min(lcp, pair[j - 2])
-            shared = lcp if lcp >= MIN_SHARED_PREFIX else 0
-            cost = shared + (j - i) * (longest - shared)
+            cost = _positions(lcp, j - i, longest)
             if j > i + 1 and 0 < max_tokens < cost:
                 break  # the cost only grows with more rows
             total = (best[i][0] + cost, best[i][1] + 1)
@@ -462,11 +461,16 @@ def encoded_positions(sequences: list[list[int]]) -> int:
     row right-padded to the longest remainder; a single row, its length.
     Worked example: rows of 40 shared + 7 and 40 shared + 12 tokens → 40 + 2 × 12 = 64."""
     longest = max(len(q) for q in sequences)
-    if len(sequences) == 1:
-        return longest
-    lcp = common_prefix_len(sequences)
+    lcp = common_prefix_len(sequences) if len(sequences) > 1 else longest - 1
+    return _positions(lcp, len(sequences), longest)
+
+
+def _positions(lcp: int, rows: int, longest: int) -> int:
+    """Positions `_hidden_states` encodes for `rows` rows sharing `lcp` tokens, the longest
+    `longest`: the shared tokens once (where they reach MIN_SHARED_PREFIX), then each row padded
+    to the longest remainder."""
     shared = lcp if lcp >= MIN_SHARED_PREFIX else 0
-    return shared + len(sequences) * (longest - shared)
+    return shared + rows * (longest - shared)
 
 
 def common_prefix_len(sequences: list[list[int]]) -> int:
@@ -658,9 +662,7 @@ def _hidden_states_of(body, input_ids: torch.Tensor, attention_mask: torch.Tenso
         if layout is None:
             positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
             return body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False).last_hidden_state
-        with _packing(layout):
-            out = body(input_ids=input_ids.flatten()[layout.index][None], position_ids=(layout.index % T)[None], use_cache=False)
-        return layout.spread(out.last_hidden_state[0])
+        return _packed_forward(body, layout, input_ids, 0)
     layout = _pack_layout(body, input_ids, attention_mask, shared)
     rows = B if layout is None else 1  # packed rows attend to one copy of what they share
     if shared == L:
@@ -679,10 +681,17 @@ def _hidden_states_of(body, input_ids: torch.Tensor, attention_mask: torch.Tenso
         positions = torch.arange(L, T, device=input_ids.device).expand(B, T - L)  # right padding: index = position
         rest = body(input_ids=input_ids[:, L:], attention_mask=attention_mask, position_ids=positions, past_key_values=cache, use_cache=True)
         return torch.cat([pre_hidden, rest.last_hidden_state], dim=1)
+    return torch.cat([pre_hidden, _packed_forward(body, layout, input_ids[:, L:], L, cache)], dim=1)
+
+
+def _packed_forward(body, layout: _Packed, ids: torch.Tensor, start: int, cache=None) -> torch.Tensor:
+    """Last hidden states [B, W, H] of right-padded rows ids [B, W] at positions start.., run as
+    one row of their real positions (`layout`) after `cache` (one copy of what they share, or
+    None), zero at padding."""
     with _packing(layout):
-        rest = body(input_ids=input_ids[:, L:].flatten()[layout.index][None], position_ids=(L + layout.index % (T - L))[None],
-                    past_key_values=cache, use_cache=True)
-    return torch.cat([pre_hidden, layout.spread(rest.last_hidden_state[0])], dim=1)
+        out = body(input_ids=ids.flatten()[layout.index][None], position_ids=(start + layout.index % ids.shape[1])[None],
+                   past_key_values=cache, use_cache=cache is not None)
+    return layout.spread(out.last_hidden_state[0])
 
 
 def _pack_layout(body, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared: int) -> _Packed | None:
