@@ -41,6 +41,8 @@ warm-up), in a subprocess of the separate TRL virtualenv.
     python bench/grpo_vs_trl.py --prompts 2 --group 8 --turns 3
     python bench/grpo_vs_trl.py --model RUN/checkpoints/reference --turns 3   # an SFT checkpoint that calls tools
     python bench/grpo_vs_trl.py --model RUN/checkpoints/reference --bf16      # bf16 on both sides
+    python bench/grpo_vs_trl.py --model RUN/checkpoints/reference --bf16 --turns 3 --prompts 8 --group 4 --trl-micro-batch 8
+        # the main job's 8 × 4 (~25 min; TRL's forward over all 32 completions at once ran out of 23 GB)
 
 `--model DIR` starts both sides from the same local checkpoint (default: the embedded model,
 which never calls a tool before SFT, so neither side runs a tool episode). `--bf16`: Keel
@@ -249,9 +251,15 @@ def trl_child(args) -> dict:
             self.times.append(time.perf_counter() - self.starts[-1])
 
     n = args.prompts * args.group
+    micro = args.trl_micro_batch or n
+    if n % micro:
+        raise SystemExit(f"grpo_vs_trl: --trl-micro-batch {micro} does not divide the batch of {n}")
     with tempfile.TemporaryDirectory() as out:
+        # one optimizer step per generation batch of n (TRL's steps_per_generation defaults to the
+        # accumulation steps), its loss and backward over micro-batches of `micro` completions
         config = GRPOConfig(output_dir=out, use_cpu=True, bf16=args.bf16, fp16=False, report_to="none", save_strategy="no", logging_steps=1,
-                            max_steps=1 + args.reps, per_device_train_batch_size=n, gradient_accumulation_steps=1, num_generations=args.group,
+                            max_steps=1 + args.reps, per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
+                            num_generations=args.group,
                             max_completion_length=args.trl_completion_budget or MAX_TOTAL_TOKENS,
                             generation_kwargs={"max_new_tokens": args.new_tokens},  # per turn, as Keel's
                             max_tool_calling_iterations=args.turns - 1, temperature=1.0, top_k=0,
@@ -274,6 +282,10 @@ def main() -> None:
                     help="TRL's max_completion_length (the whole multi-turn completion, tool results included); 0: MAX_TOTAL_TOKENS, "
                          "which does not bind. The bench before the fortieth session gave TRL --new-tokens here")
     ap.add_argument("--reps", type=int, default=1, help="timed steps per side after one warm-up step")
+    ap.add_argument("--trl-micro-batch", type=int, default=0,
+                    help="TRL's completions per forward/backward (per_device_train_batch_size, with gradient accumulation over the "
+                         "step's batch; Keel's update runs micro-batches too); 0: the whole batch in one, as until the forty-second "
+                         "session — at 8 × 4 that ran out of this machine's 23 GB")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default="smollm2", help="both sides start from this model: 'smollm2' or a local checkpoint directory (e.g. an SFT run's checkpoints/reference)")
     ap.add_argument("--bf16", action="store_true", help="Keel: bf16 sampler + autocast update; TRL: bf16=True")
@@ -312,7 +324,8 @@ def main() -> None:
     keel_runs = [stats]
     print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in keel_runs[-1].items()})}", flush=True)
     cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
-           "--turns", str(args.turns), "--trl-completion-budget", str(args.trl_completion_budget), "--reps", str(args.reps), "--threads", str(args.threads), "--model", args.model] + (["--bf16"] if args.bf16 else [])
+           "--turns", str(args.turns), "--trl-completion-budget", str(args.trl_completion_budget), "--reps", str(args.reps), "--threads", str(args.threads),
+           "--model", args.model, "--trl-micro-batch", str(args.trl_micro_batch)] + (["--bf16"] if args.bf16 else [])
     child_env = dict(os.environ)  # (`env` is the KG environment)
     if not args.return_freed_memory:  # TRL's process keeps its freed memory too
         from keel.memory import kept_memory_environment
