@@ -42,7 +42,7 @@ warm-up), in a subprocess of the separate TRL virtualenv.
     python bench/grpo_vs_trl.py --model RUN/checkpoints/reference --turns 3   # an SFT checkpoint that calls tools
     python bench/grpo_vs_trl.py --model RUN/checkpoints/reference --bf16      # bf16 on both sides
     python bench/grpo_vs_trl.py --model RUN/checkpoints/reference --bf16 --turns 3 --prompts 8 --group 4 --trl-micro-batch 8
-        # the main job's 8 × 4 (~25 min; TRL's forward over all 32 completions at once ran out of 23 GB)
+        # the main job's 8 × 4 (~17 min with --reps 1; TRL's forward over all 32 completions at once ran out of 23 GB)
 
 `--model DIR` starts both sides from the same local checkpoint (default: the embedded model,
 which never calls a tool before SFT, so neither side runs a tool episode). `--bf16`: Keel
@@ -251,9 +251,7 @@ def trl_child(args) -> dict:
             self.times.append(time.perf_counter() - self.starts[-1])
 
     n = args.prompts * args.group
-    micro = args.trl_micro_batch or n
-    if n % micro:
-        raise SystemExit(f"grpo_vs_trl: --trl-micro-batch {micro} does not divide the batch of {n}")
+    micro = args.trl_micro_batch or n  # (checked against n by main)
     with tempfile.TemporaryDirectory() as out:
         # one optimizer step per generation batch of n (TRL's steps_per_generation defaults to the
         # accumulation steps), its loss and backward over micro-batches of `micro` completions
@@ -295,6 +293,9 @@ def main() -> None:
     ap.add_argument("--trl-python", default="/tmp/trlenv/bin/python", help="python of a virtualenv with trl==1.16.0 and keel (--no-deps)")
     ap.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    n = args.prompts * args.group
+    if args.trl_micro_batch < 0 or (args.trl_micro_batch and n % args.trl_micro_batch):
+        ap.error(f"--trl-micro-batch {args.trl_micro_batch} must be 0 or divide the step's {args.prompts} × {args.group} = {n} completions")
     if args.trl_child:
         print("TRL_RESULT " + json.dumps(trl_child(args)))
         return
@@ -351,7 +352,6 @@ def main() -> None:
           f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s; per timed step {per_step('generated_tokens')} generated tokens, "
           f"{per_step('tool_tokens')} tool-response tokens, {per_step('tool_calls')} tool calls)")
     print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first = warm-up)")
-    n = args.prompts * args.group
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     print(f"per episode, keel (timed steps): prompt {mean([r['prompt_tokens'] for r in keel_runs]) / n:.0f}, generated "
           f"{mean([r['generated_tokens'] for r in keel_runs]) / n:.1f}, tool calls {mean([r['tool_calls'] for r in keel_runs]) / n:.2f}; "
