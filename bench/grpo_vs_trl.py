@@ -33,9 +33,9 @@ Memory: both sides keep the memory they free for reuse, as the main job does
 (`run.keep_freed_memory`; TRL's process through glibc's MALLOC_MMAP_THRESHOLD_ and
 MALLOC_TRIM_THRESHOLD_, the same settings); `--return-freed-memory`: glibc's defaults on both
 sides, Keel trimming between rollout and update as the trainer does by default.
-What is timed: Keel — `rollout` + rewards + `grpo_update` in this process, after a warm-up
-step. TRL — from `on_step_begin` to `on_step_end` of step 2 of `trainer.train()` (step 1 is the
-warm-up), in a subprocess of the separate TRL virtualenv.
+What is timed: Keel — `rollout` + rewards + `grpo_update` in this process, after `--warmup`
+steps (1). TRL — from `on_step_begin` to `on_step_end` of each step of `trainer.train()` after
+as many warm-up steps, in a subprocess of the separate TRL virtualenv.
 
     python bench/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python          # 2 × 4, ≤ 128 tokens (~5 min)
     python bench/grpo_vs_trl.py --prompts 2 --group 8 --turns 3
@@ -256,7 +256,7 @@ def trl_child(args) -> dict:
         # one optimizer step per generation batch of n (TRL's steps_per_generation defaults to the
         # accumulation steps), its loss and backward over micro-batches of `micro` completions
         config = GRPOConfig(output_dir=out, use_cpu=True, bf16=args.bf16, fp16=False, report_to="none", save_strategy="no", logging_steps=1,
-                            max_steps=1 + args.reps, per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
+                            max_steps=args.warmup + args.reps, per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
                             num_generations=args.group,
                             max_completion_length=args.trl_completion_budget or MAX_TOTAL_TOKENS,
                             generation_kwargs={"max_new_tokens": args.new_tokens},  # per turn, as Keel's
@@ -279,7 +279,10 @@ def main() -> None:
     ap.add_argument("--trl-completion-budget", type=int, default=0,
                     help="TRL's max_completion_length (the whole multi-turn completion, tool results included); 0: MAX_TOTAL_TOKENS, "
                          "which does not bind. The bench before the fortieth session gave TRL --new-tokens here")
-    ap.add_argument("--reps", type=int, default=1, help="timed steps per side after one warm-up step")
+    ap.add_argument("--reps", type=int, default=1, help="timed steps per side after the warm-up steps")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed steps per side first (Keel's heap grows over its first ~4 updates: the tied embedding's "
+                         "gradient passes run at fresh-page speed until then, LOG.md, forty-second session)")
     ap.add_argument("--trl-micro-batch", type=int, default=0,
                     help="TRL's completions per forward/backward (per_device_train_batch_size, with gradient accumulation over the "
                          "step's batch; Keel's update runs micro-batches too); 0: the whole batch in one, as until the forty-second "
@@ -294,6 +297,8 @@ def main() -> None:
     ap.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     n = args.prompts * args.group
+    if args.warmup < 1 or args.reps < 1:
+        ap.error(f"--warmup {args.warmup} and --reps {args.reps} must each be at least 1")
     if args.trl_micro_batch < 0 or (args.trl_micro_batch and n % args.trl_micro_batch):
         ap.error(f"--trl-micro-batch {args.trl_micro_batch} must be 0 or divide the step's {args.prompts} × {args.group} = {n} completions")
     if args.trl_child:
@@ -320,12 +325,13 @@ def main() -> None:
     env, tasks = kg_tasks(args.prompts)
     print(f"{args.prompts} prompts × {args.group} generations, ≤ {args.new_tokens} tokens, ≤ {args.turns} turns, threads {args.threads}, "
           f"model {args.model}, {'bf16' if args.bf16 else 'fp32'}", flush=True)
-    keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=100)  # warm-up
+    for w in range(args.warmup):
+        keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=100 + w)  # warm-up
     stats, batch = keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=0)
     keel_runs = [stats]
     print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in keel_runs[-1].items()})}", flush=True)
     cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
-           "--turns", str(args.turns), "--trl-completion-budget", str(args.trl_completion_budget), "--reps", str(args.reps), "--threads", str(args.threads),
+           "--turns", str(args.turns), "--trl-completion-budget", str(args.trl_completion_budget), "--reps", str(args.reps), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--model", args.model, "--trl-micro-batch", str(args.trl_micro_batch)] + (["--bf16"] if args.bf16 else [])
     child_env = dict(os.environ)  # (`env` is the KG environment)
     if not args.return_freed_memory:  # TRL's process keeps its freed memory too
@@ -342,7 +348,7 @@ def main() -> None:
         stats, batch = keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=rep)
         keel_runs.append(stats)
         print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in stats.items()})}", flush=True)
-    trl_times = trl["step_times_s"][1:]  # step 1 is TRL's warm-up
+    trl_times = trl["step_times_s"][args.warmup :]  # the first steps are TRL's warm-up
     for h in trl["log"]:
         print(f"  trl log: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in h.items() if k.startswith(('completions/', 'tools/', 'num_tokens', 'reward'))})}")
     keel_t = statistics.median(r["step_s"] for r in keel_runs)
@@ -351,7 +357,7 @@ def main() -> None:
     print(f"\nkeel: {keel_t:.1f} s/step (rollout {statistics.median(r['rollout_s'] for r in keel_runs):.1f} s, "
           f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s; per timed step {per_step('generated_tokens')} generated tokens, "
           f"{per_step('tool_tokens')} tool-response tokens, {per_step('tool_calls')} tool calls)")
-    print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first = warm-up)")
+    print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first {args.warmup} = warm-up)")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     print(f"per episode, keel (timed steps): prompt {mean([r['prompt_tokens'] for r in keel_runs]) / n:.0f}, generated "
           f"{mean([r['generated_tokens'] for r in keel_runs]) / n:.1f}, tool calls {mean([r['tool_calls'] for r in keel_runs]) / n:.2f}; "
