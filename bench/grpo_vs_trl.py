@@ -281,8 +281,8 @@ def main() -> None:
                          "which does not bind. The bench before the fortieth session gave TRL --new-tokens here")
     ap.add_argument("--reps", type=int, default=1, help="timed steps per side after the warm-up steps")
     ap.add_argument("--warmup", type=int, default=1,
-                    help="untimed steps per side first (Keel's heap grows over its first ~4 updates: the tied embedding's "
-                         "gradient passes run at fresh-page speed until then, LOG.md, forty-second session)")
+                    help="untimed steps per side before the timed ones (replayed alone, Keel's first ~4 updates ran slower while "
+                         "its heap grew; in this bench three warm-ups did not make its timed steps faster: LOG.md, forty-second session)")
     ap.add_argument("--trl-micro-batch", type=int, default=0,
                     help="TRL's completions per forward/backward (per_device_train_batch_size, with gradient accumulation over the "
                          "step's batch; Keel's update runs micro-batches too); 0: the whole batch in one, as until the forty-second "
