@@ -461,8 +461,9 @@ def encoded_positions(sequences: list[list[int]]) -> int:
     row right-padded to the longest remainder; a single row, its length.
     Worked example: rows of 40 shared + 7 and 40 shared + 12 tokens → 40 + 2 × 12 = 64."""
     longest = max(len(q) for q in sequences)
-    lcp = common_prefix_len(sequences) if len(sequences) > 1 else longest - 1
-    return _positions(lcp, len(sequences), longest)
+    if len(sequences) == 1:
+        return longest
+    return _positions(common_prefix_len(sequences), len(sequences), longest)
 
 
 def _positions(lcp: int, rows: int, longest: int) -> int:
