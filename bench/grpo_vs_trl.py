@@ -35,7 +35,14 @@ MALLOC_TRIM_THRESHOLD_, the same settings); `--return-freed-memory`: glibc's def
 sides, Keel trimming between rollout and update as the trainer does by default.
 What is timed: Keel — `rollout` + rewards + `grpo_update` in this process, after `--warmup`
 steps (1). TRL — from `on_step_begin` to `on_step_end` of each step of `trainer.train()` after
-as many warm-up steps, in a subprocess of the separate TRL virtualenv.
+as many warm-up steps, in a subprocess of the separate TRL virtualenv. The two alternate: TRL's
+process waits before each of its steps until this one lets it run, and each timed Keel step is
+followed by a timed TRL step (a pair, `--reps` of them), so both sides of a pair see the same
+stretch of the machine's drift (±15-25% between hours here, differently for the two sides when
+they ran minutes apart). `speedup_vs_trl` is the median of the pairs' ratios; with 2 or more
+pairs `speedup_vs_trl_range` gives the smallest and largest, which enclose that median with
+probability 1 - 2^(1-n) for n pairs (5: 93.8%, 6: 96.9%). Until the forty-third session the bench
+ran Keel's first timed step, then all of TRL's, then Keel's others, and divided the medians.
 
     python bench/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python          # 2 × 4, ≤ 128 tokens (~5 min)
     python bench/grpo_vs_trl.py --prompts 2 --group 8 --turns 3
@@ -141,6 +148,63 @@ def keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed: int) -> tup
             "turns_at_budget": sum(1 for tr in trajs for a, b in tr.turn_spans if b - a >= args.new_tokens)}, (trajs, adv, cfg)
 
 
+def median_coverage(n: int) -> float:
+    """Probability that the smallest and largest of n independent draws of a continuous
+    quantity enclose its median: 1 − 2·(1/2)ⁿ (all n on one side of it has probability 2⁻ⁿ per
+    side). 2 pairs: 50%, 5: 93.75%, 6: 96.9%."""
+    return 1.0 - 2.0 * 0.5**n
+
+
+class TRLChild:
+    """The TRL side in its own virtualenv's process, one step at a time: `wait_ready` returns once
+    it waits before its first step (model and trainer built); `step` lets it run one step and
+    returns that step's time once it waits before the next (or, after its last of `steps`, once
+    it has finished and printed its logs, which `result` returns). Its stderr goes to a temporary
+    file, quoted when it fails."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], steps: int):
+        self.cmd, self.env, self.left = cmd, env, steps
+
+    def __enter__(self) -> "TRLChild":
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True, env=self.env)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.err.close()
+
+    def _line(self, prefix: str) -> str:
+        """The child's next stdout line that starts with `prefix` (its other lines are skipped)."""
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix):].strip()
+        self.proc.wait()
+        self.err.seek(0)
+        tail = "\n".join(self.err.read().strip().splitlines()[-15:])
+        sys.exit(f"grpo_vs_trl: the TRL subprocess stopped before printing {prefix.strip()} (exit {self.proc.returncode}):\n{tail}")
+
+    def wait_ready(self) -> None:
+        self._line("TRL_WAITING")
+
+    def step(self) -> float:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        seconds = float(self._line("TRL_STEP "))
+        self.left -= 1
+        if self.left:  # what it does between two steps (logging) is done before anything else is timed
+            self._line("TRL_WAITING")
+        else:
+            self.proc.stdin.close()
+            self.logs = json.loads(self._line("TRL_RESULT "))
+        return seconds
+
+    def result(self) -> dict:
+        return self.logs
+
+
 def update_floor(model, ref, opt, tok, batch, args) -> dict:
     """The last Keel step's update again (its trajectories and advantages; one more optimizer
     step on the policy, after every timed one), its FLOPs counted: every matmul forward and
@@ -241,14 +305,21 @@ def trl_child(args) -> dict:
     dataset = Dataset.from_list(rows * 8)  # enough rows for the steps; one step uses `prompts` of them
 
     class StepTimer(TrainerCallback):
+        """Each step's time; before each step it tells the parent it is waiting and runs the step
+        when the parent says so (one line on stdin), so that its steps and Keel's alternate."""
+
         def __init__(self):
             self.starts, self.times = [], []
 
         def on_step_begin(self, a, state, control, **kw):
+            print("TRL_WAITING", flush=True)
+            if sys.stdin.readline().strip() != "go":  # the parent closed the pipe: it is gone
+                sys.exit("grpo_vs_trl: the parent process stopped pacing the TRL steps")
             self.starts.append(time.perf_counter())
 
         def on_step_end(self, a, state, control, **kw):
             self.times.append(time.perf_counter() - self.starts[-1])
+            print(f"TRL_STEP {self.times[-1]}", flush=True)
 
     n = args.prompts * args.group
     micro = args.trl_micro_batch or n  # (checked against n by main)
@@ -279,7 +350,7 @@ def main() -> None:
     ap.add_argument("--trl-completion-budget", type=int, default=0,
                     help="TRL's max_completion_length (the whole multi-turn completion, tool results included); 0: MAX_TOTAL_TOKENS, "
                          "which does not bind. The bench before the fortieth session gave TRL --new-tokens here")
-    ap.add_argument("--reps", type=int, default=1, help="timed steps per side after the warm-up steps")
+    ap.add_argument("--reps", type=int, default=1, help="timed pairs (a Keel step, then a TRL step) after the warm-up steps")
     ap.add_argument("--warmup", type=int, default=1,
                     help="untimed steps per side before the timed ones (replayed alone, Keel's first ~4 updates ran slower while "
                          "its heap grew; in this bench three warm-ups did not make its timed steps faster: LOG.md, forty-second session)")
@@ -325,11 +396,6 @@ def main() -> None:
     env, tasks = kg_tasks(args.prompts)
     print(f"{args.prompts} prompts × {args.group} generations, ≤ {args.new_tokens} tokens, ≤ {args.turns} turns, threads {args.threads}, "
           f"model {args.model}, {'bf16' if args.bf16 else 'fp32'}", flush=True)
-    for w in range(args.warmup):
-        keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=100 + w)  # warm-up
-    stats, batch = keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=0)
-    keel_runs = [stats]
-    print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in keel_runs[-1].items()})}", flush=True)
     cmd = [args.trl_python, __file__, "--trl-child", "--prompts", str(args.prompts), "--group", str(args.group), "--new-tokens", str(args.new_tokens),
            "--turns", str(args.turns), "--trl-completion-budget", str(args.trl_completion_budget), "--reps", str(args.reps), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--model", args.model, "--trl-micro-batch", str(args.trl_micro_batch)] + (["--bf16"] if args.bf16 else [])
@@ -338,17 +404,20 @@ def main() -> None:
         from keel.memory import kept_memory_environment
 
         child_env.update(kept_memory_environment())
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("TRL_RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        sys.exit(f"grpo_vs_trl: the TRL subprocess failed (exit {proc.returncode}):\n{tail}")
-    trl = json.loads(line[len("TRL_RESULT "):])
-    for rep in range(1, args.reps):  # interleave further Keel steps after TRL's
-        stats, batch = keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=rep)
-        keel_runs.append(stats)
-        print(f"  keel step: {json.dumps({k: round(v, 2) for k, v in stats.items()})}", flush=True)
-    trl_times = trl["step_times_s"][args.warmup :]  # the first steps are TRL's warm-up
+    with TRLChild(cmd, child_env, args.warmup + args.reps) as child:
+        child.wait_ready()  # TRL's model and trainer built, its first step not begun: the two processes' set-ups never overlap a timed step
+        for w in range(args.warmup):
+            keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=100 + w)
+        for w in range(args.warmup):
+            child.step()
+        keel_runs, trl_times = [], []
+        for rep in range(args.reps):  # pairs: a Keel step, then a TRL step, so both see the same stretch of the machine's drift
+            stats, batch = keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=rep)
+            keel_runs.append(stats)
+            trl_times.append(child.step())
+            print(f"  pair {rep + 1}: keel {stats['step_s']:.1f} s, trl {trl_times[-1]:.1f} s, ratio {trl_times[-1] / stats['step_s']:.2f}; "
+                  f"keel step: {json.dumps({k: round(v, 2) for k, v in stats.items()})}", flush=True)
+        trl = child.result()
     for h in trl["log"]:
         print(f"  trl log: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in h.items() if k.startswith(('completions/', 'tools/', 'num_tokens', 'reward'))})}")
     keel_t = statistics.median(r["step_s"] for r in keel_runs)
@@ -376,9 +445,16 @@ def main() -> None:
           f"this CPU's {kind} GEMM peak {floor['peak'] / 1e9:.0f} GFLOP/s (2048² matmul) → {floor['floor_s']:.1f} s at the least, "
           f"{update_t:.1f} s measured ({floor['flops'] / update_t / floor['peak']:.0%} of the peak)")
     print(f"  with that update at the peak and a rollout that took no time, a step would be {trl_t / floor['floor_s']:.1f}× TRL's")
+    ratios = sorted(t / r["step_s"] for t, r in zip(trl_times, keel_runs))
+    print(f"\npaired ratios (TRL step / the Keel step just before it): {', '.join(f'{x:.2f}' for x in ratios)}")
+    if len(ratios) > 1:
+        print(f"  the median paired ratio lies in [{ratios[0]:.2f}, {ratios[-1]:.2f}] with probability {median_coverage(len(ratios)):.1%} "
+              "(the smallest and largest of the pairs: an order-statistic interval, no assumption on the drift's distribution)")
     print(f"update_vs_floor={update_t / floor['floor_s']:.2f}")
     print(f"speedup_bound_vs_trl={trl_t / floor['floor_s']:.2f}")
-    print(f"speedup_vs_trl={trl_t / keel_t:.2f}")
+    if len(ratios) > 1:
+        print(f"speedup_vs_trl_range={ratios[0]:.2f},{ratios[-1]:.2f}")
+    print(f"speedup_vs_trl={statistics.median(ratios):.2f}")
 
 
 if __name__ == "__main__":
