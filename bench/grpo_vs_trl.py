@@ -40,8 +40,9 @@ process waits before each of its steps until this one lets it run, and each time
 followed by a timed TRL step (a pair, `--reps` of them), so both sides of a pair see the same
 stretch of the machine's drift (±15-25% between hours here, differently for the two sides when
 they ran minutes apart). `speedup_vs_trl` is the median of the pairs' ratios; with 2 or more
-pairs `speedup_vs_trl_range` gives the smallest and largest, which enclose that median with
-probability 1 - 2^(1-n) for n pairs (5: 93.8%, 6: 96.9%). Until the forty-third session the bench
+pairs `speedup_vs_trl_range` gives the smallest and largest, which enclose the median of the
+distribution the pairs are drawn from with probability 1 - 2^(1-n) for n pairs (5: 93.8%, 6:
+96.9%), taking the pairs as independent draws. Until the forty-third session the bench
 ran Keel's first timed step, then all of TRL's, then Keel's others, and divided the medians.
 
     python bench/grpo_vs_trl.py --trl-python /tmp/trlenv/bin/python          # 2 × 4, ≤ 128 tokens (~5 min)
@@ -448,8 +449,9 @@ def main() -> None:
     ratios = sorted(t / r["step_s"] for t, r in zip(trl_times, keel_runs))
     print(f"\npaired ratios (TRL step / the Keel step just before it): {', '.join(f'{x:.2f}' for x in ratios)}")
     if len(ratios) > 1:
-        print(f"  the median paired ratio lies in [{ratios[0]:.2f}, {ratios[-1]:.2f}] with probability {median_coverage(len(ratios)):.1%} "
-              "(the smallest and largest of the pairs: an order-statistic interval, no assumption on the drift's distribution)")
+        print(f"  the median of the paired ratio's distribution lies in [{ratios[0]:.2f}, {ratios[-1]:.2f}] with probability "
+              f"{median_coverage(len(ratios)):.1%} (the smallest and largest of the pairs: an order-statistic interval, which takes the "
+              "pairs as independent draws of one distribution and assumes nothing of its shape)")
     print(f"update_vs_floor={update_t / floor['floor_s']:.2f}")
     print(f"speedup_bound_vs_trl={trl_t / floor['floor_s']:.2f}")
     if len(ratios) > 1:
