@@ -160,7 +160,7 @@ class TRLChild:
     """The TRL side in its own virtualenv's process, one step at a time: `wait_ready` returns once
     it waits before its first step (model and trainer built); `step` lets it run one step and
     returns that step's time once it waits before the next (or, after its last of `steps`, once
-    it has finished and printed its logs, which `result` returns). Its stderr goes to a temporary
+    it has finished and printed its logs, then kept in `logs`). Its stderr goes to a temporary
     file, quoted when it fails."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], steps: int):
@@ -202,9 +202,6 @@ class TRLChild:
             self.logs = json.loads(self._line("TRL_RESULT "))
         return seconds
 
-    def result(self) -> dict:
-        return self.logs
-
 
 def update_floor(model, ref, opt, tok, batch, args) -> dict:
     """The last Keel step's update again (its trajectories and advantages; one more optimizer
@@ -227,7 +224,7 @@ def update_floor(model, ref, opt, tok, batch, args) -> dict:
 # --------------------------------------------------------------------------------------------
 # TRL side (runs inside the TRL virtualenv)
 # --------------------------------------------------------------------------------------------
-def trl_child(args) -> dict:
+def trl_child(args) -> list[dict]:
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -306,21 +303,17 @@ def trl_child(args) -> dict:
     dataset = Dataset.from_list(rows * 8)  # enough rows for the steps; one step uses `prompts` of them
 
     class StepTimer(TrainerCallback):
-        """Each step's time; before each step it tells the parent it is waiting and runs the step
-        when the parent says so (one line on stdin), so that its steps and Keel's alternate."""
-
-        def __init__(self):
-            self.starts, self.times = [], []
+        """Prints each step's time; before each step it tells the parent it is waiting and runs the
+        step when the parent says so (one line on stdin), so that its steps and Keel's alternate."""
 
         def on_step_begin(self, a, state, control, **kw):
             print("TRL_WAITING", flush=True)
             if sys.stdin.readline().strip() != "go":  # the parent closed the pipe: it is gone
                 sys.exit("grpo_vs_trl: the parent process stopped pacing the TRL steps")
-            self.starts.append(time.perf_counter())
+            self.start = time.perf_counter()
 
         def on_step_end(self, a, state, control, **kw):
-            self.times.append(time.perf_counter() - self.starts[-1])
-            print(f"TRL_STEP {self.times[-1]}", flush=True)
+            print(f"TRL_STEP {time.perf_counter() - self.start}", flush=True)
 
     n = args.prompts * args.group
     micro = args.trl_micro_batch or n  # (checked against n by main)
@@ -334,12 +327,10 @@ def trl_child(args) -> dict:
                             generation_kwargs={"max_new_tokens": args.new_tokens},  # per turn, as Keel's
                             max_tool_calling_iterations=args.turns - 1, temperature=1.0, top_k=0,
                             top_p=1.0, beta=1e-4, learning_rate=1e-6, shuffle_dataset=False, seed=0, disable_dropout=True)
-        timer = StepTimer()
         trainer = GRPOTrainer(model=model, reward_funcs=em_reward, args=config, train_dataset=dataset, processing_class=tok,
-                              environment_factory=KGTools, callbacks=[timer])
+                              environment_factory=KGTools, callbacks=[StepTimer()])
         trainer.train()
-    logs = [h for h in trainer.state.log_history if "completions/mean_length" in h or "num_tokens" in h]
-    return {"step_times_s": timer.times, "log": logs}
+    return [h for h in trainer.state.log_history if "completions/mean_length" in h or "num_tokens" in h]
 
 
 def main() -> None:
@@ -409,8 +400,7 @@ def main() -> None:
         child.wait_ready()  # TRL's model and trainer built, its first step not begun: the two processes' set-ups never overlap a timed step
         for w in range(args.warmup):
             keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=100 + w)
-        for w in range(args.warmup):
-            child.step()
+        trl_warmups = [child.step() for _ in range(args.warmup)]
         keel_runs, trl_times = [], []
         for rep in range(args.reps):  # pairs: a Keel step, then a TRL step, so both see the same stretch of the machine's drift
             stats, batch = keel_step(model, sampler, ref, opt, tok, env, tasks, args, seed=rep)
@@ -418,8 +408,7 @@ def main() -> None:
             trl_times.append(child.step())
             print(f"  pair {rep + 1}: keel {stats['step_s']:.1f} s, trl {trl_times[-1]:.1f} s, ratio {trl_times[-1] / stats['step_s']:.2f}; "
                   f"keel step: {json.dumps({k: round(v, 2) for k, v in stats.items()})}", flush=True)
-        trl = child.result()
-    for h in trl["log"]:
+    for h in child.logs:
         print(f"  trl log: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in h.items() if k.startswith(('completions/', 'tools/', 'num_tokens', 'reward'))})}")
     keel_t = statistics.median(r["step_s"] for r in keel_runs)
     trl_t = statistics.median(trl_times)
@@ -427,12 +416,12 @@ def main() -> None:
     print(f"\nkeel: {keel_t:.1f} s/step (rollout {statistics.median(r['rollout_s'] for r in keel_runs):.1f} s, "
           f"update {statistics.median(r['update_s'] for r in keel_runs):.1f} s; per timed step {per_step('generated_tokens')} generated tokens, "
           f"{per_step('tool_tokens')} tool-response tokens, {per_step('tool_calls')} tool calls)")
-    print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl['step_times_s']]}, first {args.warmup} = warm-up)")
+    print(f"trl:  {trl_t:.1f} s/step (step times {[round(t, 1) for t in trl_warmups + trl_times]}, first {args.warmup} = warm-up)")
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     print(f"per episode, keel (timed steps): prompt {mean([r['prompt_tokens'] for r in keel_runs]) / n:.0f}, generated "
           f"{mean([r['generated_tokens'] for r in keel_runs]) / n:.1f}, tool calls {mean([r['tool_calls'] for r in keel_runs]) / n:.2f}; "
           f"turns that reached the {args.new_tokens}-token budget {per_step('turns_at_budget')} of {per_step('turns')}")
-    logs = [h for h in trl["log"] if "completions/mean_length" in h and "num_tokens" in h]
+    logs = [h for h in child.logs if "completions/mean_length" in h and "num_tokens" in h]
     if logs:  # num_tokens: TRL's running count of prompt + generated tokens (tool results not counted)
         seen = [h["num_tokens"] for h in logs]
         prompts = [(b - a) / n - h["completions/mean_length"] for a, b, h in zip([0.0] + seen[:-1], seen, logs)]
