@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from keel import cascade, native
+from keel.models import autocast_context, sparse_embedding_grads
 from keel.types import Source, Trajectory
 
 
@@ -773,6 +774,193 @@ def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: f
     return _HeadLogprobs.apply(head(h), targets, temperature, with_entropy)
 
 
+# The head's weight in the precision autocast computes it in, cast once and kept while an update's
+# micro-batches run (`training_passes` releases them), as autocast keeps its own casts of trainable
+# weights: id(weight) → (weakref to it, its version, dtype, the cast).
+_CAST_WEIGHTS: dict[int, tuple] = {}
+_HEAD_GRAD_BLOCK = 1 << 20  # elements of the weight's gradient converted and added at once (4 MB in fp32)
+
+
+def release_update_buffers() -> None:
+    """Drop what `_HeadProduct` keeps over an update's micro-batches, the head weights cast for it
+    and the logits buffer (`training_passes` calls this when it ends), so rollouts and evaluations
+    between updates do not hold them."""
+    _CAST_WEIGHTS.clear()
+    if getattr(_SCRATCH, "logits", None) is not None and _SCRATCH.logits[1]() is None:
+        _SCRATCH.logits = None
+
+
+@contextlib.contextmanager
+def training_passes(model, autocast: bool):
+    """The region an update's forwards and backward passes run in (keel.train.grpo_update,
+    keel.sft.supervision_backward): bf16 autocast when `autocast`, held open over all micro-batches
+    so the weights are cast once (`autocast_context`), and sparse embedding gradients
+    (`sparse_embedding_grads`). Backward passes inside still run under `no_autocast`. The LM
+    head's weight cast for autocast and its logits buffer (`_HeadProduct`) are kept
+    until it ends, as autocast keeps its own casts."""
+    try:
+        with autocast_context(model, autocast), sparse_embedding_grads(model):
+            yield
+    finally:
+        release_update_buffers()
+
+
+def _cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if weight.dtype == dtype:
+        return weight.detach()
+    kept = _CAST_WEIGHTS.get(id(weight))
+    if kept is not None and kept[0]() is weight and kept[1] == weight._version and kept[2] == dtype:
+        return kept[3]
+    cast = weight.detach().to(dtype)
+    _CAST_WEIGHTS[id(weight)] = (weakref.ref(weight), weight._version, dtype, cast)
+    return cast
+
+
+def _fused_head(head, h: torch.Tensor) -> bool:
+    """Whether `_HeadProduct` computes this head: a bias-free nn.Linear on a pass that takes gradients."""
+    return (type(head) is torch.nn.Linear and head.bias is None and torch.is_grad_enabled()
+            and (h.requires_grad or head.weight.requires_grad))
+
+
+def _accumulate_weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """weight.grad += grad_outᵀ · x ([V, N] · [N, H]) as autograd's accumulation would add it, in
+    blocks of the weight's rows: each block's product in the inputs' precision, then converted to
+    the gradient's dtype and added. No [V, H] temporary is made: autograd's way (a product per
+    chunk, their bf16 sum, its fp32 copy, that plus the tied embedding's gradient) allocated ~4
+    of them per micro-batch, 57–113 MB each for SmolLM2, which glibc's heap served from fresh
+    pages each time (a freed one is split by small allocations before the next asks): 0.25–0.3 s
+    of page faults per micro-batch of the bench's 8 × 4 update (LOG.md, forty-fourth session)."""
+    V, H = weight.shape
+    grad = weight.grad
+    if grad is not None and grad.is_sparse:  # only the embedding's rows so far (a tied weight)
+        grad = weight.grad = grad.to_dense()
+    fresh = grad is None
+    if fresh:
+        grad = torch.empty_like(weight, memory_format=torch.contiguous_format)
+    rows = max(1, min(V, _HEAD_GRAD_BLOCK // max(H, 1)))
+    same = grad_out.dtype == grad.dtype
+    part = None if same else torch.empty(rows, H, dtype=grad_out.dtype, device=x.device)
+    wide = None if same else torch.empty(rows, H, dtype=grad.dtype, device=x.device)
+    for s in range(0, V, rows):
+        e = min(V, s + rows)
+        if same:
+            if fresh:
+                torch.mm(grad_out[:, s:e].t(), x, out=grad[s:e])
+            else:
+                grad[s:e].addmm_(grad_out[:, s:e].t(), x)
+            continue
+        torch.mm(grad_out[:, s:e].t(), x, out=part[: e - s])
+        if fresh:
+            grad[s:e].copy_(part[: e - s])
+        else:
+            wide[: e - s].copy_(part[: e - s])
+            grad[s:e].add_(wide[: e - s])
+    if fresh:
+        weight.grad = grad
+
+
+class _Lease:
+    """Held by the graph that uses `_logits_buffer`'s buffer (its ctx) until that graph's backward
+    has run or the graph is freed."""
+
+
+def _logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, _Lease]:
+    """A [rows, vocab] tensor for `_HeadProduct`'s logits and a lease on it. On CPU, while no other
+    graph holds it, a per-thread buffer grown to the largest micro-batch, since a fresh [N, V]
+    tensor (57 MB at 578 rows of 49,152 in bf16) came from fresh pages each micro-batch (245 ms
+    for a product that takes ~95 ms into touched memory; LOG.md, forty-fourth session). The
+    update's micro-batches each run backward before the next forward, so one buffer serves them
+    all; a second forward before the first's backward gets a fresh tensor."""
+    lease = _Lease()
+    n = rows * vocab
+    if device.type != "cpu":
+        return torch.empty(rows, vocab, dtype=dtype, device=device), lease
+    held = getattr(_SCRATCH, "logits", None)
+    if held is not None and held[1]() is None and held[0].dtype == dtype and held[0].numel() >= n:
+        buf = held[0]
+    elif held is None or held[1]() is None:
+        buf = torch.empty(n, dtype=dtype)
+    else:
+        return torch.empty(rows, vocab, dtype=dtype), lease
+    _SCRATCH.logits = (buf, weakref.ref(lease))
+    return buf[:n].view(rows, vocab), lease
+
+
+class _HeadProduct(torch.autograd.Function):
+    """(log-probs of `targets`, entropies) of the rows h [N, H] under a bias-free linear LM head
+    (weight [V, H]), with `_HeadLogprobs`'s chunked log-softmax, for a pass that takes gradients.
+
+    The head's product runs once over all N rows, in `compute`'s dtype (the weight cast for
+    autocast, or the weight itself), its logits [N, V] kept for backward as the chunks' were. In
+    backward each chunk's logit gradient is written over its logits (they are not needed after;
+    so a second backward through the same graph is refused), h's gradient is one product, and
+    the weight's is added to `weight.grad` by `_accumulate_weight_grad` rather than returned to
+    autograd: one product over the micro-batch's N rows, summed in fp32 into the gradient,
+    instead of a bf16 product per 256-row chunk, their bf16 sum, its fp32 copy. Numerically that
+    is autograd's gradient with fewer roundings (tests/test_logprobs.py compares the two)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, compute, targets, temperature: float, with_entropy: bool, chunk: int):
+        x = h.detach().to(compute.dtype)
+        logits, ctx.lease = _logits_buffer(x.shape[0], compute.shape[0], compute.dtype, x.device)
+        torch.mm(x, compute.t(), out=logits)  # [N, V]
+        picked, ents = [], []
+        for s in range(0, x.shape[0], chunk):
+            part = logits[s : s + chunk]
+            buf, logp, _ = _head_buffers(part.shape[0], part.shape[1], part.device)
+            _log_softmax_into(part, temperature, buf, logp)
+            picked.append(logp.gather(1, targets[s : s + chunk, None])[:, 0])
+            if with_entropy:
+                ents.append(-torch.mul(torch.exp(logp, out=buf), logp, out=buf).sum(-1))
+        picked = torch.cat(picked) if picked else x.new_zeros(0, dtype=torch.float32)
+        entropy = (torch.cat(ents) if ents else picked.new_zeros(0)) if with_entropy else picked.new_zeros(0)
+        ctx.save_for_backward(x, logits, targets, compute)
+        ctx.weight, ctx.h_dtype, ctx.temperature, ctx.chunk, ctx.used = weight, h.dtype, temperature, chunk, False
+        ctx.mark_non_differentiable(entropy)
+        return picked, entropy
+
+    @staticmethod
+    def backward(ctx, grad_picked, _grad_entropy):
+        if ctx.used:
+            raise RuntimeError("keel.logprobs._HeadProduct: a second backward through the same LM head (its logits were overwritten by the first)")
+        ctx.used = True
+        x, logits, targets, compute = ctx.saved_tensors
+        for s in range(0, x.shape[0], ctx.chunk):
+            part = logits[s : s + ctx.chunk]
+            buf, logp, grad = _head_buffers(part.shape[0], part.shape[1], part.device)
+            _log_softmax_into(part, ctx.temperature, buf, logp)
+            buf.zero_().scatter_add_(1, targets[s : s + ctx.chunk, None], grad_picked[s : s + ctx.chunk, None])
+            torch._log_softmax_backward_data(buf, logp, 1, torch.float32, out=grad)
+            if ctx.temperature != 1.0:
+                grad.div_(ctx.temperature)
+            part.copy_(grad)  # the chunk's logit gradient, in the logits' dtype, where its logits were
+        grad_h = torch.mm(logits, compute).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            _accumulate_weight_grad(ctx.weight, logits, x)
+        ctx.lease = None  # the logits buffer is free for the next micro-batch
+        return grad_h, None, None, None, None, None, None
+
+
+def _head_without_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
+                       with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_HeadLogprobs` over chunks of x [N, H] · weightᵀ, no gradients, each chunk's logits written
+    into one `_logits_buffer` (a fresh [chunk, V] tensor each chunk came from fresh pages: 78 ms
+    per 256-row product of the reference's against ~45 into touched memory; LOG.md, forty-fourth
+    session). The same products and log-softmax as `head(h)` chunk by chunk."""
+    n = min(chunk, x.shape[0])
+    buf, lease = _logits_buffer(n, weight.shape[0], weight.dtype, x.device)
+    out, ents = [], []
+    for s in range(0, x.shape[0], chunk):
+        logits = buf[: min(chunk, x.shape[0] - s)]
+        torch.mm(x[s : s + chunk], weight.t(), out=logits)
+        lp, ent = _HeadLogprobs.apply(logits, targets[s : s + chunk], temperature, with_entropy)
+        out.append(lp)
+        ents.append(ent)
+    del lease
+    logp = torch.cat(out) if out else x.new_zeros(0, dtype=torch.float32)
+    return logp, (torch.cat(ents) if ents else logp.new_zeros(0)) if with_entropy else None
+
+
 def token_logprobs(
     model,
     input_ids: torch.Tensor,
@@ -798,6 +986,15 @@ def token_logprobs(
     h = hidden[prev]  # [N, H]
     targets = input_ids[target_mask]  # [N]
     head = model.get_output_embeddings()
+    linear = type(head) is torch.nn.Linear and head.bias is None
+    if linear:
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) and head.weight.dtype == torch.float32 else head.weight.dtype
+    if linear and _fused_head(head, h):
+        logp, ent = _HeadProduct.apply(h, head.weight, _cast_weight(head.weight, dtype), targets, temperature, with_entropy, chunk)
+        return logp, ent.detach() if with_entropy else None
+    if linear and not torch.is_grad_enabled():  # the reference's pass: each chunk's logits into one reused buffer
+        return _head_without_grad(h.to(dtype), head.weight.to(dtype), targets, temperature, chunk, with_entropy)
     out, ents = [], []
     # With gradients, each chunk's log-softmax is recomputed in backward from its logits, kept in
     # the head's output dtype (bf16 under autocast: 0.1 MB per token for V = 49,152): autograd

@@ -438,16 +438,6 @@ def sparse_embedding_grads(model):
             emb.weight.grad = grad.to_dense()
 
 
-@contextlib.contextmanager
-def training_passes(model, autocast: bool):
-    """The region an update's forwards and backward passes run in (keel.train.grpo_update,
-    keel.sft.supervision_backward): bf16 autocast when `autocast`, held open over all micro-batches
-    so the weights are cast once (`autocast_context`), and sparse embedding gradients
-    (`sparse_embedding_grads`). Backward passes inside still run under `no_autocast`."""
-    with autocast_context(model, autocast), sparse_embedding_grads(model):
-        yield
-
-
 def reference_network(ref_model, model):
     """(network that computes the KL reference's log-probs, factory of the context it runs in).
     With LoRA the reference is the policy itself with its adapters switched off; a frozen copy

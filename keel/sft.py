@@ -26,9 +26,9 @@ import torch
 
 from keel.chat import IM_END, render_assistant_calls, render_tool_responses, render_user_turn
 from keel.episode import process_turn
-from keel.logprobs import collate, micro_batches, token_logprobs, update_prefix
+from keel.logprobs import collate, micro_batches, token_logprobs, training_passes, update_prefix
 from keel.losses import sft_loss
-from keel.models import no_autocast, training_passes
+from keel.models import no_autocast
 from keel.rollout import encode_prompt
 from keel.templates import ChatTemplate
 from keel.types import Env, Source, Task, Trajectory, env_call_format, episode_info, is_function_calling

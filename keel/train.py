@@ -34,10 +34,10 @@ from keel.config import Config, GRPOConfig
 from keel.diagnostics.step_metrics import rl_step_metrics
 from keel.distributed import (DistContext, ShardedUpdate, gather_objects, gather_telemetry, init_distributed, row_seed,
                               shard_groups, sharded_sft_step)
-from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, update_prefix
+from keel.logprobs import collate, kept_positions, micro_batches, token_logprobs, training_passes, update_prefix
 from keel.losses import aggregate, clipped_surrogate, kl_estimate
 from keel.memory import release_free_memory
-from keel.models import adamw, copy_weights, make_optimizer, no_autocast, reference_network, release_weights, training_passes
+from keel.models import adamw, copy_weights, make_optimizer, no_autocast, reference_network, release_weights
 from keel.rewards import resolve_reward, score
 from keel.rollout import SamplingParams, rollout
 from keel.run import (Run, check_distributed_config, evaluate, evaluate_rl, finish, handle_alerts, interrupted_anywhere, log, make_reference,

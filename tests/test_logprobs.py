@@ -911,3 +911,164 @@ def test_head_logprobs_gradients_are_not_the_work_buffers():
     second = torch.randn(8, 300, generator=g, requires_grad=True)
     logprobs._HeadLogprobs.apply(second, torch.arange(8) + 8, 1.0, False)[0].sum().backward()
     assert torch.equal(first.grad, kept) and not torch.equal(second.grad, kept)
+
+
+# --------------------------------------------------------------------------------------------
+# The LM head over a micro-batch in one product, its weight's gradient added in place (_HeadProduct)
+# --------------------------------------------------------------------------------------------
+def _head_case(seed: int, n: int = 37, vocab: int = 1000, hidden: int = 48):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(vocab, hidden, generator=g) * 0.3)
+    h = torch.randn(n, hidden, generator=g)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    weights = torch.randn(n, generator=g)
+    return head, h, targets, weights
+
+
+def _fused(head, h, targets, temperature, chunk=16, dtype=None):
+    from keel import logprobs
+
+    compute = logprobs._cast_weight(head.weight, dtype or head.weight.dtype)
+    return logprobs._HeadProduct.apply(h, head.weight, compute, targets, temperature, True, chunk)
+
+
+@pytest.mark.parametrize("start", ["none", "dense", "sparse"])
+def test_head_product_equals_autograd_in_fp32(monkeypatch, start):
+    """In fp32, `_HeadProduct`'s log-probs, entropies, h gradient and weight gradient equal plain
+    autograd's (F.linear, log-softmax, gather) over several chunks and weight-row blocks with a
+    remainder, the weight's gradient added to what `.grad` held before: nothing, a dense
+    gradient, or the sparse rows a tied embedding leaves."""
+    from keel import logprobs
+
+    monkeypatch.setattr(logprobs, "_HEAD_GRAD_BLOCK", 7 * 48)  # blocks of 7 rows: 1000 = 142 · 7 + 6
+    head, h, targets, weights = _head_case(0)
+    before = {"none": None, "dense": torch.randn(1000, 48),
+              "sparse": torch.sparse_coo_tensor(torch.tensor([[3, 3, 999]]), torch.randn(3, 48), (1000, 48), check_invariants=True)}[start]
+
+    def run(fused: bool):
+        x = h.clone().requires_grad_()
+        head.weight.grad = None if before is None else before.clone()
+        lp, ent = _fused(head, x, targets, 0.7) if fused else _chunk_by_autograd(head(x), targets, 0.7)
+        (lp * weights).sum().backward()
+        return lp.detach(), ent, x.grad, head.weight.grad
+
+    ours, plain = run(True), run(False)
+    for a, b, what in zip(ours, plain, ("logp", "entropy", "h grad", "weight grad")):
+        assert not a.is_sparse and a.dtype == b.dtype, what
+        torch.testing.assert_close(a, b.to_dense(), rtol=1e-6, atol=1e-7, msg=what)
+
+
+def test_head_product_under_autocast_rounds_less_than_autograd():
+    """Under bf16 autocast the weight's gradient is one product over the micro-batch's rows summed
+    into fp32, where autograd summed a bf16 product per chunk in bf16 and then cast it: against
+    the same computation in float64 (the bf16 inputs widened) ours is closer, and the log-probs
+    and h gradient are autograd's within bf16 rounding (relative error of the weight's gradient)."""
+    head, h, targets, weights = _head_case(1, n=200)
+    x64, w64 = h.bfloat16().double().requires_grad_(), head.weight.detach().bfloat16().double().requires_grad_()
+    lp64 = torch.log_softmax((x64 @ w64.t()) / 0.7, -1).gather(1, targets[:, None])[:, 0]
+    (lp64 * weights.double()).sum().backward()
+
+    def run(fused: bool):
+        x = h.clone().requires_grad_()
+        head.weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                lp, _ = _fused(head, x, targets, 0.7, chunk=16, dtype=torch.bfloat16)
+            else:
+                lp = torch.cat([_chunk_by_autograd(head(x[s : s + 16]), targets[s : s + 16], 0.7)[0] for s in range(0, 200, 16)])
+        (lp * weights).sum().backward()
+        return lp.detach(), x.grad, head.weight.grad
+
+    (lp_f, gh_f, gw_f), (lp_a, gh_a, gw_a) = run(True), run(False)
+    assert gw_f.dtype == torch.float32 and gh_f.dtype == torch.float32
+    err = lambda a: float((a.double() - w64.grad).norm() / w64.grad.norm())  # noqa: E731
+    assert err(gw_f) < err(gw_a)  # 0.0049 against 0.0060 (the logits' and their gradients' bf16 roundings are common to both)
+    torch.testing.assert_close(lp_f, lp_a, rtol=0, atol=1e-6)
+    torch.testing.assert_close(gh_f, gh_a, rtol=1e-2, atol=1e-3)
+
+
+def test_head_product_logits_buffer_is_shared_only_between_finished_passes():
+    """The logits buffer serves one graph at a time: two forwards before their backward passes get
+    their own storage (the gradients are the plain ones), a second backward through one graph is
+    refused, and once a graph's backward has run the next forward reuses the buffer."""
+    from keel import logprobs
+
+    head, h, targets, weights = _head_case(2)
+    want = {}
+    for name, rows in (("a", slice(0, 20)), ("b", slice(20, 37))):
+        head.weight.grad = None
+        lp, _ = _chunk_by_autograd(head(h[rows]), targets[rows], 1.0)
+        (lp * weights[rows]).sum().backward()
+        want[name] = head.weight.grad.clone()
+    head.weight.grad = None
+    lp_a, _ = _fused(head, h[:20], targets[:20], 1.0)
+    buffer_a = logprobs._SCRATCH.logits[0].data_ptr()
+    lp_b, _ = _fused(head, h[20:], targets[20:], 1.0)
+    assert logprobs._SCRATCH.logits[0].data_ptr() == buffer_a  # b did not take a's buffer
+    (lp_a * weights[:20]).sum().backward(retain_graph=True)
+    torch.testing.assert_close(head.weight.grad, want["a"], rtol=1e-6, atol=1e-7)
+    (lp_b * weights[20:]).sum().backward()
+    torch.testing.assert_close(head.weight.grad, want["a"] + want["b"], rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="second backward"):
+        (lp_a * weights[:20]).sum().backward()
+    lp_c, _ = _fused(head, h[:20], targets[:20], 1.0)
+    assert logprobs._SCRATCH.logits[0].data_ptr() == buffer_a
+
+
+def test_head_cast_follows_the_weight_and_ends_with_the_passes(tiny):
+    """Inside `training_passes` the head's bf16 cast is made once and made again after the weight
+    changes (an optimizer step between two updates' forwards would); when the passes end it is
+    dropped. The log-probs equal a fresh cast's."""
+    from keel import logprobs
+    from keel.logprobs import training_passes
+
+    model, _ = tiny
+    model = copy.deepcopy(model).train()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(5, 1000, (1, 24), generator=g)
+    attn = torch.ones_like(ids)
+    tmask = torch.zeros_like(ids, dtype=torch.bool)
+    tmask[:, 12:] = True
+    weight = model.get_output_embeddings().weight
+    with training_passes(model, True):
+        first = token_logprobs(model, ids, attn, tmask)[0].detach()  # its graph freed: the logits buffer is free again
+        cast = logprobs._CAST_WEIGHTS[id(weight)][3]
+        again = token_logprobs(model, ids, attn, tmask)[0].detach()
+        assert logprobs._CAST_WEIGHTS[id(weight)][3] is cast and torch.equal(first, again)
+        with torch.no_grad():
+            weight.mul_(1.5)
+        moved = token_logprobs(model, ids, attn, tmask)[0].detach()
+        assert logprobs._CAST_WEIGHTS[id(weight)][3] is not cast and not torch.equal(moved, first)
+    assert not logprobs._CAST_WEIGHTS and logprobs._SCRATCH.logits is None
+    with training_passes(model, True):
+        fresh = token_logprobs(model, ids, attn, tmask)[0].detach()
+    assert torch.equal(moved, fresh)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_head_without_grad_equals_the_head_chunk_by_chunk(tiny, autocast):
+    """Without gradients (the KL reference's pass) each chunk's logits go into one reused buffer;
+    the log-probs and entropies are the head's own chunk by chunk, bit for bit (a reference whose
+    head is stored in bf16 under autocast, or the fp32 model)."""
+    from keel.logprobs import _hidden_states
+    from keel.models import frozen_reference
+
+    model, _ = tiny
+    ref = frozen_reference(copy.deepcopy(model), autocast)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(5, 1000, (2, 30), generator=g)
+    attn = torch.ones_like(ids)
+    tmask = torch.zeros_like(ids, dtype=torch.bool)
+    tmask[:, 5:] = True  # 50 targets: chunks of 16, 16, 16 and 2
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        lp, ent = token_logprobs(ref, ids, attn, tmask, temperature=0.7, chunk=16, with_entropy=True)
+        hidden = _hidden_states(getattr(ref, ref.base_model_prefix), ids, attn)
+        prev = torch.zeros_like(tmask)
+        prev[:, :-1] = tmask[:, 1:]
+        h, targets = hidden[prev], ids[tmask]
+        head = ref.get_output_embeddings()
+        want = [_chunk_by_autograd(head(h[s : s + 16]), targets[s : s + 16], 0.7) for s in range(0, 50, 16)]
+    assert head.weight.dtype == (torch.bfloat16 if autocast else torch.float32)
+    assert torch.equal(lp, torch.cat([w[0] for w in want])) and torch.equal(ent, torch.cat([w[1] for w in want]))
