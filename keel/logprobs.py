@@ -816,12 +816,6 @@ def _cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return cast
 
 
-def _fused_head(head, h: torch.Tensor) -> bool:
-    """Whether `_HeadProduct` computes this head: a bias-free nn.Linear on a pass that takes gradients."""
-    return (type(head) is torch.nn.Linear and head.bias is None and torch.is_grad_enabled()
-            and (h.requires_grad or head.weight.requires_grad))
-
-
 def _accumulate_weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
     """weight.grad += grad_outᵀ · x ([V, N] · [N, H]) as autograd's accumulation would add it, in
     blocks of the weight's rows: each block's product in the inputs' precision, then converted to
@@ -829,7 +823,9 @@ def _accumulate_weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, x: tor
     chunk, their bf16 sum, its fp32 copy, that plus the tied embedding's gradient) allocated ~4
     of them per micro-batch, 57–113 MB each for SmolLM2, which glibc's heap served from fresh
     pages each time (a freed one is split by small allocations before the next asks): 0.25–0.3 s
-    of page faults per micro-batch of the bench's 8 × 4 update (LOG.md, forty-fourth session)."""
+    of page faults per micro-batch of the bench's 8 × 4 update (LOG.md, forty-fourth session).
+    Being no autograd accumulation, it runs no hook registered on one (none in Keel; the
+    data-parallel all-reduce reads `.grad` after backward)."""
     V, H = weight.shape
     grad = weight.grad
     if grad is not None and grad.is_sparse:  # only the embedding's rows so far (a tied weight)
@@ -888,7 +884,8 @@ def _logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.devi
 
 class _HeadProduct(torch.autograd.Function):
     """(log-probs of `targets`, entropies) of the rows h [N, H] under a bias-free linear LM head
-    (weight [V, H]), with `_HeadLogprobs`'s chunked log-softmax, for a pass that takes gradients.
+    (weight [V, H]), with `_HeadLogprobs`'s chunked log-softmax, for a pass that takes gradients
+    (`token_logprobs` calls it for a bias-free `nn.Linear` head).
 
     The head's product runs once over all N rows, in `compute`'s dtype (the weight cast for
     autocast, or the weight itself), its logits [N, V] kept for backward as the chunks' were. In
@@ -986,15 +983,14 @@ def token_logprobs(
     h = hidden[prev]  # [N, H]
     targets = input_ids[target_mask]  # [N]
     head = model.get_output_embeddings()
-    linear = type(head) is torch.nn.Linear and head.bias is None
-    if linear:
+    if type(head) is torch.nn.Linear and head.bias is None:  # (other heads: their own forward, chunk by chunk, below)
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) and head.weight.dtype == torch.float32 else head.weight.dtype
-    if linear and _fused_head(head, h):
-        logp, ent = _HeadProduct.apply(h, head.weight, _cast_weight(head.weight, dtype), targets, temperature, with_entropy, chunk)
-        return logp, ent.detach() if with_entropy else None
-    if linear and not torch.is_grad_enabled():  # the reference's pass: each chunk's logits into one reused buffer
-        return _head_without_grad(h.to(dtype), head.weight.to(dtype), targets, temperature, chunk, with_entropy)
+        if not torch.is_grad_enabled():  # the reference's pass: each chunk's logits into one reused buffer
+            return _head_without_grad(h.to(dtype), head.weight.to(dtype), targets, temperature, chunk, with_entropy)
+        if h.requires_grad or head.weight.requires_grad:
+            logp, ent = _HeadProduct.apply(h, head.weight, _cast_weight(head.weight, dtype), targets, temperature, with_entropy, chunk)
+            return logp, ent.detach() if with_entropy else None
     out, ents = [], []
     # With gradients, each chunk's log-softmax is recomputed in backward from its logits, kept in
     # the head's output dtype (bf16 under autocast: 0.1 MB per token for V = 49,152): autograd
