@@ -1072,3 +1072,30 @@ def test_head_without_grad_equals_the_head_chunk_by_chunk(tiny, autocast):
         want = [_chunk_by_autograd(head(h[s : s + 16]), targets[s : s + 16], 0.7) for s in range(0, 50, 16)]
     assert head.weight.dtype == (torch.bfloat16 if autocast else torch.float32)
     assert torch.equal(lp, torch.cat([w[0] for w in want])) and torch.equal(ent, torch.cat([w[1] for w in want]))
+
+
+def test_head_product_under_autocast_accumulates_exactly(monkeypatch):
+    """Under bf16 autocast two micro-batches' passes leave in `.grad` exactly the fp32 sum of what
+    each leaves alone (each block's bf16 product widened, then added), over weight-row blocks
+    with a remainder."""
+    from keel import logprobs
+
+    monkeypatch.setattr(logprobs, "_HEAD_GRAD_BLOCK", 7 * 48)
+    head, h, targets, weights = _head_case(3)
+    parts = (slice(0, 20), slice(20, 37))
+
+    def backward(rows):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, _ = _fused(head, h[rows].clone().requires_grad_(), targets[rows], 0.7, dtype=torch.bfloat16)
+        (lp * weights[rows]).sum().backward()
+
+    alone = []
+    for rows in parts:
+        head.weight.grad = None
+        backward(rows)
+        alone.append(head.weight.grad.clone())
+    head.weight.grad = None
+    for rows in parts:
+        backward(rows)
+    assert head.weight.grad.dtype == torch.float32
+    assert torch.equal(head.weight.grad, alone[0] + alone[1])
