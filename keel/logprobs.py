@@ -737,6 +737,30 @@ def _log_softmax_into(logits: torch.Tensor, temperature: float, x: torch.Tensor,
     torch._log_softmax(x, 1, False, out=logp)
 
 
+def _chunk_picked(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of `targets` [n], entropies [n], or an empty tensor without `with_entropy`) of one
+    chunk of logits [n, V], as log_softmax(logits.float() / temperature) and a gather give them,
+    over `_head_buffers`."""
+    x, logp, _ = _head_buffers(logits.shape[0], logits.shape[1], logits.device)
+    _log_softmax_into(logits, temperature, x, logp)
+    picked = logp.gather(1, targets[:, None])[:, 0]
+    entropy = -torch.mul(torch.exp(logp, out=x), logp, out=x).sum(-1) if with_entropy else picked.new_zeros(0)
+    return picked, entropy
+
+
+def _chunk_logit_grad(logits: torch.Tensor, targets: torch.Tensor, grad_picked: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The gradient [n, V] (fp32, in a `_head_buffers` buffer: valid until the next call) of the
+    picked log-probs of `_chunk_picked` with respect to the chunk's logits, the log-softmax
+    recomputed from them."""
+    x, logp, grad = _head_buffers(logits.shape[0], logits.shape[1], logits.device)
+    _log_softmax_into(logits, temperature, x, logp)
+    x.zero_().scatter_add_(1, targets[:, None], grad_picked[:, None])  # gather's backward
+    torch._log_softmax_backward_data(x, logp, 1, torch.float32, out=grad)
+    if temperature != 1.0:
+        grad.div_(temperature)
+    return grad
+
+
 class _HeadLogprobs(torch.autograd.Function):
     """(log-probs of `targets`, entropies) of a chunk of the LM head's logits [n, V], as
     log_softmax(logits.float() / temperature) and a gather would give them, forward and backward
@@ -746,13 +770,7 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature: float, with_entropy: bool):
-        x, logp, _ = _head_buffers(logits.shape[0], logits.shape[1], logits.device)
-        _log_softmax_into(logits, temperature, x, logp)
-        picked = logp.gather(1, targets[:, None])[:, 0]
-        if with_entropy:
-            entropy = -torch.mul(torch.exp(logp, out=x), logp, out=x).sum(-1)
-        else:
-            entropy = picked.new_zeros(0)
+        picked, entropy = _chunk_picked(logits, targets, temperature, with_entropy)
         ctx.save_for_backward(logits, targets)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
@@ -761,13 +779,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_picked, _grad_entropy):
         logits, targets = ctx.saved_tensors
-        x, logp, grad = _head_buffers(logits.shape[0], logits.shape[1], logits.device)
-        _log_softmax_into(logits, ctx.temperature, x, logp)
-        x.zero_().scatter_add_(1, targets[:, None], grad_picked[:, None])  # gather's backward
-        torch._log_softmax_backward_data(x, logp, 1, torch.float32, out=grad)
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)
-        return grad.to(logits.dtype, copy=True), None, None, None
+        return _chunk_logit_grad(logits, targets, grad_picked, ctx.temperature).to(logits.dtype, copy=True), None, None, None
 
 
 def _chunk_logprobs(head, h: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -901,36 +913,22 @@ class _HeadProduct(torch.autograd.Function):
         x = h.detach().to(compute.dtype)
         logits, ctx.lease = _logits_buffer(x.shape[0], compute.shape[0], compute.dtype, x.device)
         torch.mm(x, compute.t(), out=logits)  # [N, V]
-        picked, ents = [], []
-        for s in range(0, x.shape[0], chunk):
-            part = logits[s : s + chunk]
-            buf, logp, _ = _head_buffers(part.shape[0], part.shape[1], part.device)
-            _log_softmax_into(part, temperature, buf, logp)
-            picked.append(logp.gather(1, targets[s : s + chunk, None])[:, 0])
-            if with_entropy:
-                ents.append(-torch.mul(torch.exp(logp, out=buf), logp, out=buf).sum(-1))
-        picked = torch.cat(picked) if picked else x.new_zeros(0, dtype=torch.float32)
-        entropy = (torch.cat(ents) if ents else picked.new_zeros(0)) if with_entropy else picked.new_zeros(0)
+        parts = [_chunk_picked(logits[s : s + chunk], targets[s : s + chunk], temperature, with_entropy) for s in range(0, x.shape[0], chunk)]
+        picked = torch.cat([p for p, _ in parts]) if parts else x.new_zeros(0, dtype=torch.float32)
+        entropy = torch.cat([e for _, e in parts]) if parts else picked.new_zeros(0)
         ctx.save_for_backward(x, logits, targets, compute)
-        ctx.weight, ctx.h_dtype, ctx.temperature, ctx.chunk, ctx.used = weight, h.dtype, temperature, chunk, False
+        ctx.weight, ctx.h_dtype, ctx.temperature, ctx.chunk = weight, h.dtype, temperature, chunk
         ctx.mark_non_differentiable(entropy)
         return picked, entropy
 
     @staticmethod
     def backward(ctx, grad_picked, _grad_entropy):
-        if ctx.used:
+        if ctx.lease is None:  # released by an earlier backward, which overwrote the logits
             raise RuntimeError("keel.logprobs._HeadProduct: a second backward through the same LM head (its logits were overwritten by the first)")
-        ctx.used = True
         x, logits, targets, compute = ctx.saved_tensors
-        for s in range(0, x.shape[0], ctx.chunk):
-            part = logits[s : s + ctx.chunk]
-            buf, logp, grad = _head_buffers(part.shape[0], part.shape[1], part.device)
-            _log_softmax_into(part, ctx.temperature, buf, logp)
-            buf.zero_().scatter_add_(1, targets[s : s + ctx.chunk, None], grad_picked[s : s + ctx.chunk, None])
-            torch._log_softmax_backward_data(buf, logp, 1, torch.float32, out=grad)
-            if ctx.temperature != 1.0:
-                grad.div_(ctx.temperature)
-            part.copy_(grad)  # the chunk's logit gradient, in the logits' dtype, where its logits were
+        c = ctx.chunk
+        for s in range(0, x.shape[0], c):  # each chunk's logit gradient, in the logits' dtype, where its logits were
+            logits[s : s + c].copy_(_chunk_logit_grad(logits[s : s + c], targets[s : s + c], grad_picked[s : s + c], ctx.temperature))
         grad_h = torch.mm(logits, compute).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
         if ctx.needs_input_grad[1]:
             _accumulate_weight_grad(ctx.weight, logits, x)
@@ -940,7 +938,7 @@ class _HeadProduct(torch.autograd.Function):
 
 def _head_without_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int,
                        with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`_HeadLogprobs` over chunks of x [N, H] · weightᵀ, no gradients, each chunk's logits written
+    """`_chunk_picked` over chunks of x [N, H] · weightᵀ, no gradients, each chunk's logits written
     into one `_logits_buffer` (a fresh [chunk, V] tensor each chunk came from fresh pages: 78 ms
     per 256-row product of the reference's against ~45 into touched memory; LOG.md, forty-fourth
     session). The same products and log-softmax as `head(h)` chunk by chunk."""
@@ -950,7 +948,7 @@ def _head_without_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     for s in range(0, x.shape[0], chunk):
         logits = buf[: min(chunk, x.shape[0] - s)]
         torch.mm(x[s : s + chunk], weight.t(), out=logits)
-        lp, ent = _HeadLogprobs.apply(logits, targets[s : s + chunk], temperature, with_entropy)
+        lp, ent = _chunk_picked(logits, targets[s : s + chunk], temperature, with_entropy)
         out.append(lp)
         ents.append(ent)
     del lease
